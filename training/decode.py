@@ -1,0 +1,35 @@
+"""Translate a list of texts with a Seq2Seq model: batching by length, order restored."""
+from __future__ import annotations
+
+import torch
+
+from .data import align_tags, encode_source, source_batches
+from .model import Seq2Seq
+from .search import beam_search, greedy
+
+
+@torch.no_grad()
+def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length_penalty: float = 1.0,
+                     max_src_len: int = 128, batch_tokens: int = 3000, tags: list[list[int]] | None = None,
+                     src_lang: str | None = None, max_len_a: float = 1.5, max_len_b: int = 10) -> list[str]:
+    """One detokenised output per input text, in input order."""
+    model.eval()
+    src = [encode_source(sp, t, max_src_len) for t in texts]
+    if model.cfg.pos_tags and tags is None:
+        if src_lang is None:
+            raise ValueError("a POS-tag model needs the source language to tag its input")
+        from .pos_tags import tag_corpus  # slow import: only POS models need it
+
+        tags = tag_corpus(texts, src_lang, sp)
+    if tags is not None:
+        tags = align_tags(tags, src)
+    out: list[str] = [""] * len(texts)
+    for ids, src_batch, tag_batch in source_batches(src, batch_tokens, tags):
+        if beam == 1:
+            results = greedy(model, src_batch, tag_batch, max_len_a, max_len_b)
+        else:
+            results = [h[0].tokens for h in beam_search(model, src_batch, tag_batch, beam, length_penalty,
+                                                        max_len_a, max_len_b)]
+        for i, tokens in zip(ids, results):
+            out[i] = sp.decode(tokens)
+    return out

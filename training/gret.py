@@ -1,0 +1,129 @@
+"""GRET (SPEC §1): capsule routing over encoder layers, attentive pooling, layer-wise GRU,
+and the context gate at the output layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import FeedForward
+
+
+def squash(t: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Vector squash over the last axis, in fp32: |q| = n2 / (1 + n2) < 1."""
+    t32 = t.float()
+    n2 = (t32 * t32).sum(-1, keepdim=True)
+    return (n2 / (1 + n2) * t32 / torch.sqrt(n2 + eps)).to(t.dtype)
+
+
+def masked_mean(h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    keep = (~pad).to(h.dtype)[..., None]
+    return (h * keep).sum(-2) / keep.sum(-2).clamp(min=1)
+
+
+def capsule_routing(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
+                    detach: bool = False) -> torch.Tensor:
+    """Factorised dynamic routing. h: (G, S, D) sentences (all layers of a batch stacked),
+    pad: (G, S) True = pad, w: (K, D, d_c). Returns capsules U: (G, K, d_c).
+
+    Never materialises the transformed inputs (G, K, S, d_c): the agreement b_ki = h_i . Z_k with
+    Z_k = W_k sum_t u_k^(t), so each iteration is a K-query attention over h plus two GEMMs."""
+    n_caps = w.shape[0]
+    pooled = masked_mean(h, pad)[:, None, :].expand(-1, n_caps, -1)  # iteration 1: uniform c
+    z = None
+    for t in range(iters):
+        if t > 0:
+            logits = torch.einsum("gkd,gsd->gks", z, h).float().masked_fill(pad[:, None, :], float("-inf"))
+            pooled = torch.einsum("gks,gsd->gkd", torch.softmax(logits, -1).to(h.dtype), h)
+        u = squash(torch.einsum("gkd,kdc->gkc", pooled, w))
+        if t < iters - 1:
+            step = torch.einsum("gkc,kdc->gkd", u.detach() if detach else u, w)
+            z = step if z is None else z + step
+    return u
+
+
+def capsule_routing_explicit(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int) -> torch.Tensor:
+    """Algorithm 1 as printed (materialises u_hat); the reference the factorised form must equal."""
+    u_hat = torch.einsum("gsd,kdc->gksc", h, w)
+    b = torch.zeros(u_hat.shape[:3], dtype=torch.float32)
+    for t in range(iters):
+        c = torch.softmax(b.masked_fill(pad[:, None, :], float("-inf")), -1).to(h.dtype)
+        u = squash(torch.einsum("gks,gksc->gkc", c, u_hat))
+        if t < iters - 1:
+            b = b + torch.einsum("gksc,gkc->gks", u_hat, u).float()
+    return u
+
+
+class GlobalState(nn.Module):
+    """Encoder layer states H^1..H^M -> the global representation s^M (B, D)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, dc = cfg.d_model, cfg.capsule_dim
+        self.cfg = cfg
+        if cfg.capsule:
+            w = torch.empty(cfg.capsules, d, dc)
+            for k in range(cfg.capsules):
+                nn.init.xavier_normal_(w[k])
+            self.capsule_w = nn.Parameter(w)
+            if cfg.pooling == "attentive":
+                self.pool_query = FeedForward(dc, 4 * dc, cfg.dropout)
+            self.pool_out = FeedForward(dc, cfg.d_ff, cfg.dropout, d_out=d)
+        if cfg.pre_norm and cfg.aggregate:
+            self.layer_norm = nn.LayerNorm(d)  # routed residual streams of layers 1..M-1
+        if cfg.aggregate:
+            self.gru = nn.GRUCell(d, d)
+            for weight in (self.gru.weight_ih, self.gru.weight_hh):
+                for block in weight.split(d):
+                    nn.init.orthogonal_(block)
+            nn.init.zeros_(self.gru.bias_ih)
+            nn.init.zeros_(self.gru.bias_hh)
+
+    def pool(self, u: torch.Tensor) -> torch.Tensor:
+        """ATP (eqs. 7-9): query from the mean capsule, unscaled attention over K, FFN_o."""
+        if self.cfg.pooling == "mean":
+            return self.pool_out(u.mean(1))
+        query = self.pool_query(u.mean(1))
+        a = torch.softmax(torch.einsum("bkc,bc->bk", u, query), -1)
+        return self.pool_out(torch.einsum("bk,bkc->bc", a, u))
+
+    def layer_vectors(self, views: list[torch.Tensor], pad: torch.Tensor) -> list[torch.Tensor]:
+        """x^m for the routed layers (all of them with `aggregate`, else the last only)."""
+        if not self.cfg.aggregate:
+            views = views[-1:]
+        elif self.cfg.pre_norm:  # the last view is already the encoder's final-LN output
+            views = [self.layer_norm(v) for v in views[:-1]] + views[-1:]
+        if not self.cfg.capsule:
+            return [masked_mean(v, pad) for v in views]
+        m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
+        u = capsule_routing(torch.cat(views), pad.repeat(m, 1), self.capsule_w,
+                            self.cfg.routing_iters, self.cfg.routing_detach)
+        return list(self.pool(u).chunk(m))
+
+    def forward(self, views: list[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
+        xs = self.layer_vectors(views, pad)
+        if not self.cfg.aggregate:
+            return xs[-1]
+        s = torch.zeros_like(xs[0])
+        for x in xs:
+            s = self.gru(x, s)
+        return s
+
+
+class ContextGate(nn.Module):
+    """r_bar = r + sigmoid(W_gr r + W_gs s + b_g) * s (eqs. 12-13 as fixed in SPEC §1.6)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.w_r = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.w_s = nn.Linear(cfg.d_model, cfg.d_model)
+        nn.init.constant_(self.w_s.bias, cfg.gate_bias_init)
+
+    def source_part(self, s: torch.Tensor) -> torch.Tensor:
+        """Gs = W_gs s + b_g: once per sentence, cached for every decode step."""
+        return self.w_s(s)
+
+    def forward(self, r: torch.Tensor, s: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+        """r: (B, beam, T, D); s, gs: (B, D) read by every beam of the sentence."""
+        g = torch.sigmoid(self.w_r(r) + gs[:, None, None])
+        return r + g * s[:, None, None]

@@ -1,0 +1,133 @@
+"""Transformer building blocks: attention (with beam-grouped cross-attention), FFN, layers."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (B, H, S, d_h)
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, inner: int | None = None):
+        super().__init__()
+        inner = inner or d_model
+        self.n_heads, self.d_head, self.dropout = n_heads, inner // n_heads, dropout
+        self.q = nn.Linear(d_model, inner)
+        self.k = nn.Linear(d_model, inner)
+        self.v = nn.Linear(d_model, inner)
+        self.o = nn.Linear(inner, d_model)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H*d) -> (B, H, T, d)
+        return x.unflatten(-1, (self.n_heads, self.d_head)).transpose(1, 2)
+
+    def keys_values(self, memory: torch.Tensor) -> KV:
+        return self.split(self.k(memory)), self.split(self.v(memory))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pad: torch.Tensor | None = None,
+               causal: bool = False, beam: int = 1) -> torch.Tensor:
+        """q: (R, H, T, d) projected queries. With beam > 1, K/V hold one entry per sentence and
+        row r reads sentence r // beam: the beams are folded into the query axis, never tiled."""
+        rows, _, t, _ = q.shape
+        if beam > 1:
+            q = q.unflatten(0, (rows // beam, beam)).transpose(1, 2).flatten(2, 3)  # (B, H, beam*T, d)
+        mask = None if key_pad is None else ~key_pad[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        if beam > 1:
+            out = out.unflatten(2, (beam, t)).transpose(1, 2).flatten(0, 1)  # (R, H, T, d)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
+                key_pad: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        k, v = self.keys_values(x if memory is None else memory)
+        return self.attend(self.split(self.q(x)), k, v, key_pad, causal)
+
+
+class FeedForward(nn.Module):
+    """W2 ReLU(W1 x); `dropout` acts on the hidden activations (0 in Transformer layers, where
+    it would cost more time than it gives: the residual dropout regularises them)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, d_out: int | None = None):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff, d_out or d_model)
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.drop(F.relu(self.w1(x))))
+
+
+class Residual(nn.Module):
+    """x + f(LN(x)) (pre-norm) or LN(x + f(x)) (post-norm), with dropout on f's output."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.drop = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, x: torch.Tensor, f) -> torch.Tensor:
+        if self.pre_norm:
+            return x + self.drop(f(self.norm(x)))
+        return self.norm(x + self.drop(f(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.res_attn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = self.res_attn(x, lambda h: self.self_attn(h, key_pad=pad))
+        return self.res_ffn(x, self.ffn)
+
+
+class TransformerEncoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
+        self.norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> list[torch.Tensor]:
+        """Returns the views S_1..S_M: each layer's output; the last is what the decoder sees."""
+        views = []
+        for layer in self.layers:
+            x = layer(x, pad)
+            views.append(x)
+        views[-1] = self.norm(x)
+        return views
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.res_self = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.res_cross = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, cache: KV | None = None,
+                beam: int = 1) -> tuple[torch.Tensor, KV]:
+        """Without a cache: teacher-forced over all T positions (causal). With a cache: the new
+        positions attend to the cached ones plus themselves; the grown cache is returned."""
+        new_cache = None
+
+        def self_attention(h):
+            nonlocal new_cache
+            k, v = self.self_attn.keys_values(h)
+            if cache is not None:
+                k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+            new_cache = (k, v)
+            causal = h.shape[1] > 1 and cache is None
+            return self.self_attn.attend(self.self_attn.split(self.self_attn.q(h)), k, v, causal=causal)
+
+        x = self.res_self(x, self_attention)
+        x = self.res_cross(x, lambda h: self.cross_attn.attend(
+            self.cross_attn.split(self.cross_attn.q(h)), *memory, key_pad=src_pad, beam=beam))
+        return self.res_ffn(x, self.ffn), new_cache

@@ -1,0 +1,131 @@
+"""The model family: one encoder-decoder whose config switches on GRET, multi-view decoding,
+mvPE + POS tags or the Graph-Transformer encoder.
+
+encode() runs once per source batch and returns everything the decoder needs for any number
+of steps (cross-attention K/V, GRET's s^M and Gs); decode_step() runs one step for R = B*beam
+rows, reading those per-sentence tensors by row // beam without tiling them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .gret import ContextGate, GlobalState
+from .graph_encoder import GraphEncoder
+from .layers import KV, DecoderLayer, TransformerEncoder
+from .multiview import MultiViewMemory
+from .positions import sinusoid_table
+
+
+@dataclass
+class EncoderState:
+    memory: list[KV]  # per decoder layer: cross-attention (K, V), each (B, H, S, d_h)
+    src_pad: torch.Tensor  # (B, S) True = pad
+    global_state: torch.Tensor | None = None  # GRET s^M (B, D)
+    gate_source: torch.Tensor | None = None  # GRET Gs = W_gs s^M + b_g (B, D)
+
+    def select(self, sentences: torch.Tensor) -> "EncoderState":
+        """Keep only some sentences (beam search drops finished ones)."""
+        pick = lambda t: None if t is None else t.index_select(0, sentences)  # noqa: E731
+        return EncoderState([(pick(k), pick(v)) for k, v in self.memory], pick(self.src_pad),
+                            pick(self.global_state), pick(self.gate_source))
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        d = cfg.d_model
+        d_word = d if not cfg.pos_tags or cfg.pos_proj else d - cfg.pos_dim
+        self.embed = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.pad_id)  # tied with the output
+        nn.init.normal_(self.embed.weight, std=d ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[cfg.pad_id].zero_()
+        self.register_buffer("positions", sinusoid_table(cfg.max_positions, d, cfg.pe_k), persistent=False)
+        if cfg.pos_tags:
+            self.register_buffer("src_positions", sinusoid_table(cfg.max_positions, d_word, cfg.pe_k),
+                                 persistent=False)
+            if cfg.pos_embedding == "learned":
+                self.tag_embed = nn.Embedding(cfg.n_pos_tags, cfg.pos_dim, padding_idx=0)
+            else:
+                table = sinusoid_table(cfg.n_pos_tags, cfg.pos_dim)
+                table[0] = 0  # PAD tag -> zero vector
+                self.register_buffer("tag_table", table, persistent=False)
+            self.src_in = nn.Linear(d_word + cfg.pos_dim, d) if cfg.pos_proj else None
+            self.src_word = nn.Embedding(cfg.vocab_size, d_word, padding_idx=cfg.pad_id) if d_word != d else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.encoder = GraphEncoder(cfg) if cfg.encoder == "graph" else TransformerEncoder(cfg)
+        self.multiview = MultiViewMemory(cfg) if cfg.multiview else None
+        self.global_state = GlobalState(cfg) if cfg.gret else None
+        self.context_gate = ContextGate(cfg) if cfg.gate else None
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
+        self.dec_norm = nn.LayerNorm(d) if cfg.pre_norm else nn.Identity()
+
+    # ---- embeddings -------------------------------------------------------------------
+    def embed_source(self, src: torch.Tensor, tags: torch.Tensor | None) -> torch.Tensor:
+        if not self.cfg.pos_tags:
+            return self.embed_tokens(src, 0)
+        if tags is None:
+            raise ValueError("this model needs source POS tags (config pos_tags=True)")
+        words = self.src_word if self.src_word is not None else self.embed
+        x = words(src) * math.sqrt(words.embedding_dim) + self.src_positions[: src.shape[1]]
+        t = self.tag_embed(tags) if self.cfg.pos_embedding == "learned" else self.tag_table[tags]
+        x = torch.cat([x, t], -1)
+        return self.drop(self.src_in(x) if self.src_in is not None else x)
+
+    def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        pos = self.positions[start: start + tokens.shape[1]]
+        return self.drop(self.embed(tokens) * math.sqrt(self.cfg.d_model) + pos)
+
+    # ---- encoder: once per source -------------------------------------------------------
+    def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
+        pad = src.eq(self.cfg.pad_id)
+        views = self.encoder(self.embed_source(src, src_tags), pad)
+        memories = self.multiview(views) if self.multiview is not None else [views[-1]] * self.cfg.dec_layers
+        kv = [layer.cross_attn.keys_values(m) for layer, m in zip(self.decoder, memories)]
+        s = gs = None
+        if self.global_state is not None:
+            s = self.global_state(views, pad)
+            gs = self.context_gate.source_part(s) if self.context_gate is not None else None
+        return EncoderState(kv, pad, s, gs)
+
+    # ---- decoder ------------------------------------------------------------------------
+    def output(self, h: torch.Tensor, enc: EncoderState, beam: int) -> torch.Tensor:
+        """Final hidden states (R, T, D) -> logits (R, T, V), with GRET's global state added."""
+        r = self.dec_norm(h)
+        if enc.global_state is not None:
+            grouped = r.unflatten(0, (-1, beam))  # (B, beam, T, D)
+            if self.context_gate is not None:
+                grouped = self.context_gate(grouped, enc.global_state, enc.gate_source)
+            else:
+                grouped = grouped + enc.global_state[:, None, None]
+            r = grouped.flatten(0, 1)
+        return F.linear(r, self.embed.weight)
+
+    def decode(self, tgt_in: torch.Tensor, enc: EncoderState) -> torch.Tensor:
+        """Teacher-forced: all T positions at once. Returns logits (B, T, V)."""
+        x = self.embed_tokens(tgt_in, 0)
+        for layer, memory in zip(self.decoder, enc.memory):
+            x, _ = layer(x, memory, enc.src_pad)
+        return self.output(x, enc, beam=1)
+
+    def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None,
+                    beam: int = 1) -> tuple[torch.Tensor, list[KV]]:
+        """One incremental step. tokens: (R,) with R = B*beam; rows r*beam..r*beam+beam-1 belong
+        to sentence r. Returns log-probabilities (R, V) and the grown self-attention cache."""
+        x = self.embed_tokens(tokens[:, None], step)
+        new_cache = []
+        for i, (layer, memory) in enumerate(zip(self.decoder, enc.memory)):
+            x, layer_cache = layer(x, memory, enc.src_pad, None if cache is None else cache[i], beam)
+            new_cache.append(layer_cache)
+        return torch.log_softmax(self.output(x, enc, beam)[:, 0].float(), -1), new_cache
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_tags: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decode(tgt_in, self.encode(src, src_tags))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,294 @@
+"""Source-side POS tags as Universal POS ids, one per SentencePiece piece.
+
+Taggers (all offline): HanTa for German (STTS) and English (BNC C5),
+jieba.posseg for Chinese (ICTCLAS-style flags). Every tag set is mapped to
+the 17 UPOS tags so one embedding table serves all languages.
+Ids: 0 = PAD, 1..17 = UPOS in the order below. Subword pieces inherit the
+tag of the word they belong to.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import re
+import unicodedata
+from typing import Iterable
+
+UPOS: tuple[str, ...] = (
+    "ADJ", "ADP", "ADV", "AUX", "CCONJ", "DET", "INTJ", "NOUN", "NUM",
+    "PART", "PRON", "PROPN", "PUNCT", "SCONJ", "SYM", "VERB", "X",
+)
+PAD_TAG = 0
+UPOS_ID: dict[str, int] = {t: i + 1 for i, t in enumerate(UPOS)}
+X_ID = UPOS_ID["X"]
+SUPPORTED_LANGS: tuple[str, ...] = ("de", "en", "zh")
+
+# STTS (HanTa writes e.g. "VV(FIN)"; see _HANTA_BRACKETS) -> UPOS.
+# NNA/NNI are HanTa's nominalised adjectives/infinitives.
+STTS_TO_UPOS: dict[str, str] = {
+    "$(": "PUNCT", "$,": "PUNCT", "$.": "PUNCT",
+    "ADJA": "ADJ", "ADJD": "ADJ", "ADV": "ADV",
+    "APPO": "ADP", "APPR": "ADP", "APPRART": "ADP", "APZR": "ADP",
+    "ART": "DET", "CARD": "NUM", "FM": "X", "ITJ": "INTJ",
+    "KOKOM": "CCONJ", "KON": "CCONJ", "KOUI": "SCONJ", "KOUS": "SCONJ",
+    "NE": "PROPN", "NN": "NOUN", "NNA": "NOUN", "NNI": "NOUN",
+    "PDAT": "DET", "PDS": "PRON", "PIAT": "DET", "PIDAT": "DET", "PIS": "PRON",
+    "PPER": "PRON", "PPOSAT": "DET", "PPOSS": "PRON",
+    "PRELAT": "DET", "PRELS": "PRON", "PRF": "PRON",
+    "PROAV": "ADV", "PAV": "ADV",
+    "PTKA": "PART", "PTKANT": "PART", "PTKNEG": "PART", "PTKZU": "PART",
+    "PTKVZ": "ADP",  # separable verb prefix: UD German tags it ADP
+    "PWAT": "DET", "PWAV": "ADV", "PWS": "PRON", "TRUNC": "X",
+    "VAFIN": "AUX", "VAIMP": "AUX", "VAINF": "AUX", "VAPP": "AUX",
+    "VMFIN": "AUX", "VMINF": "AUX", "VMPP": "AUX",
+    "VVFIN": "VERB", "VVIMP": "VERB", "VVINF": "VERB", "VVIZU": "VERB",
+    "VVPP": "VERB", "XY": "X",
+}
+
+# BNC C5, as HanTa's English model emits it (taglevel=1, third field), -> UPOS.
+# Its extras: "NN" (untyped noun), "IN" (preposition-like), "!!!" (leftovers).
+C5_TO_UPOS: dict[str, str] = {
+    "AJ0": "ADJ", "AJC": "ADJ", "AJS": "ADJ", "ORD": "ADJ",
+    "AT0": "DET", "DT0": "DET", "DTQ": "DET",
+    "AV0": "ADV", "AVQ": "ADV",
+    "AVP": "ADP",  # verb particle ("pick up"): UD English tags it ADP
+    "CJC": "CCONJ", "CJS": "SCONJ", "CJT": "SCONJ",
+    "CRD": "NUM",
+    "DPS": "PRON", "EX0": "PRON",  # UD: possessives and existential "there"
+    "PNI": "PRON", "PNP": "PRON", "PNQ": "PRON", "PNX": "PRON",
+    "ITJ": "INTJ",
+    "NN": "NOUN", "NN0": "NOUN", "NN1": "NOUN", "NN2": "NOUN", "NP0": "PROPN",
+    "POS": "PART", "TO0": "PART", "XX0": "PART",
+    "PRF": "ADP", "PRP": "ADP", "IN": "ADP",
+    "PUL": "PUNCT", "PUN": "PUNCT", "PUQ": "PUNCT", "PUR": "PUNCT",
+    # be/have/modals are AUX (as STTS VA*/VM*); "do" is mostly a main verb
+    # in descriptive text, so VD* stays VERB.
+    "VBB": "AUX", "VBD": "AUX", "VBG": "AUX", "VBI": "AUX", "VBN": "AUX",
+    "VBZ": "AUX", "VHB": "AUX", "VHD": "AUX", "VHG": "AUX", "VHI": "AUX",
+    "VHN": "AUX", "VHZ": "AUX", "VM0": "AUX",
+    "VDB": "VERB", "VDD": "VERB", "VDG": "VERB", "VDI": "VERB", "VDN": "VERB",
+    "VDZ": "VERB", "VVB": "VERB", "VVD": "VERB", "VVG": "VERB", "VVI": "VERB",
+    "VVN": "VERB", "VVZ": "VERB",
+    "UNC": "X", "ZZ0": "X", "!!!": "X",
+}
+
+# jieba.posseg flags (ICTCLAS-style) -> UPOS. Punctuation and spaces come
+# out as "x"; the character-class override below fixes those.
+JIEBA_TO_UPOS: dict[str, str] = {
+    "a": "ADJ", "ag": "ADJ", "b": "ADJ", "z": "ADJ", "zg": "ADJ",
+    "ad": "ADV", "d": "ADV", "df": "ADV", "dg": "ADV",
+    "an": "NOUN", "n": "NOUN", "ng": "NOUN", "j": "NOUN", "s": "NOUN",
+    "t": "NOUN", "tg": "NOUN", "vn": "NOUN",
+    "q": "NOUN",  # classifiers: UD Chinese tags them NOUN
+    "f": "ADP",  # localisers (里, 上): UD Chinese treats them as postpositions
+    "nr": "PROPN", "nrfg": "PROPN", "nrt": "PROPN", "ns": "PROPN",
+    "nt": "PROPN", "nz": "PROPN",
+    "c": "CCONJ", "p": "ADP", "e": "INTJ", "o": "INTJ",
+    "m": "NUM", "mg": "NUM", "mq": "NUM",
+    "r": "PRON", "rg": "PRON", "rr": "PRON", "rz": "PRON",
+    "u": "PART", "ud": "PART", "ug": "PART", "uj": "PART", "ul": "PART",
+    "uv": "PART", "uz": "PART", "y": "PART", "k": "PART", "h": "PART",
+    "v": "VERB", "vd": "VERB", "vg": "VERB", "vi": "VERB", "vq": "VERB",
+    "eng": "X", "g": "X", "i": "X", "l": "X", "x": "X",
+}
+
+_HANTA_MODELS = {"de": ("morphmodel_ger.pgz", STTS_TO_UPOS),
+                 "en": ("morphmodel_en.pgz", C5_TO_UPOS)}
+
+# Words for the tagger: numbers with separators ("2,5"), words with inner
+# hyphens/apostrophes ("black-and-white", "man's"), single other chars.
+_TOKEN_RE = re.compile(r"\d+(?:[.,]\d+)+|\w+(?:[-'’]\w+)*|[^\w\s]")
+# HanTa's English model was trained on Penn-style clitics: "is n't", "man 's".
+_EN_CLITIC_RE = re.compile(r"^(.+?)(n['’]t|['’](?:s|re|ve|ll|d|m))$", re.I)
+_NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)*")
+# HanTa writes "VV(FIN)" for STTS "VVFIN"; "$(" must stay as it is.
+_HANTA_BRACKETS = re.compile(r"\((\w+)\)$")
+
+
+def _check_lang(lang: str) -> str:
+    code = lang.lower() if isinstance(lang, str) else lang
+    if code not in SUPPORTED_LANGS:
+        raise ValueError(
+            f"no POS tagger for language {lang!r}; supported: {', '.join(SUPPORTED_LANGS)}")
+    return code
+
+
+@functools.lru_cache(maxsize=None)
+def _hanta(filename: str):
+    # Loading unpickles a large model: do it once per process and language.
+    from HanTa import HanoverTagger as ht
+    return ht.HanoverTagger(filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _jieba_posseg():
+    import jieba
+    import jieba.posseg
+    jieba.setLogLevel(logging.WARNING)  # silence the dictionary-loading chatter
+    return jieba.posseg
+
+
+def _char_class_tag(token: str) -> int | None:
+    """Tag decided by the characters alone, or None for real words.
+
+    Taggers guess wildly on symbols and digits (HanTa tags "?" UNC, "2" IN
+    and jieba tags all punctuation "x"), so these win over the tagger.
+    """
+    if _NUMBER_RE.fullmatch(token):
+        return UPOS_ID["NUM"]
+    if any(c.isalnum() for c in token):
+        return None
+    kinds = {unicodedata.category(c)[0] for c in token}
+    if kinds == {"P"}:
+        return UPOS_ID["PUNCT"]
+    if "S" in kinds:
+        return UPOS_ID["SYM"]
+    return X_ID
+
+
+def _is_invisible(token: str) -> bool:
+    # Control/format chars: SentencePiece drops them or turns them into spaces.
+    return all(unicodedata.category(c)[0] in "CZ" for c in token)
+
+
+class Tagger:
+    """POS tagger for one language, giving UPOS ids (1..17)."""
+
+    def __init__(self, lang: str):
+        self.lang = _check_lang(lang)
+        if self.lang == "zh":
+            self._posseg = _jieba_posseg()
+        else:
+            filename, self._table = _HANTA_MODELS[self.lang]
+            self._model = _hanta(filename)
+
+    def tag_words(self, words: list[str]) -> list[int]:
+        """UPOS ids for an already tokenised sentence (same length)."""
+        if not words:
+            return []
+        if self.lang == "zh":
+            # The segmentation is given, so look each word up on its own.
+            flags = [max(self._posseg.cut(w), key=lambda p: len(p.word), default=None)
+                     for w in words]
+            raw = [self._to_id(p.flag if p else "x", JIEBA_TO_UPOS) for p in flags]
+        else:
+            # HanTa knows ASCII apostrophes only.
+            clean = [w.replace("’", "'") for w in words]
+            tags = self._model.tag_sent(clean, taglevel=0)
+            raw = [self._to_id(_HANTA_BRACKETS.sub(r"\1", t), self._table) for t in tags]
+        return [_char_class_tag(w) or t for w, t in zip(words, raw)]
+
+    def tag_text(self, text: str) -> list[tuple[int, int, int]]:
+        """(begin, end, upos_id) for each word of raw text; char offsets."""
+        if self.lang == "zh":
+            return self._tag_text_zh(text)
+        spans = self.tokenize(text)
+        ids = self.tag_words([text[b:e] for b, e in spans])
+        return [(b, e, t) for (b, e), t in zip(spans, ids)]
+
+    def tokenize(self, text: str) -> list[tuple[int, int]]:
+        """Word spans (char offsets) for HanTa: words, numbers, punctuation."""
+        spans = []
+        for m in _TOKEN_RE.finditer(text):
+            word, b, e = m.group(), m.start(), m.end()
+            if _is_invisible(word):
+                continue
+            clitic = _EN_CLITIC_RE.match(word) if self.lang == "en" else None
+            if clitic:
+                cut = b + clitic.end(1)
+                spans += [(b, cut), (cut, e)]
+            else:
+                spans.append((b, e))
+        return spans
+
+    def _tag_text_zh(self, text: str) -> list[tuple[int, int, int]]:
+        # jieba segments and tags in one go; find each word's offsets.
+        out, pos = [], 0
+        for pair in self._posseg.cut(text):
+            b = text.find(pair.word, pos)
+            if b < 0 or not pair.word:
+                continue  # jieba altered the text: skip rather than misalign
+            pos = b + len(pair.word)
+            if pair.word.isspace() or _is_invisible(pair.word):
+                continue
+            tag = _char_class_tag(pair.word) or self._to_id(pair.flag, JIEBA_TO_UPOS)
+            out.append((b, pos, tag))
+        return out
+
+    @staticmethod
+    def _to_id(tag: str, table: dict[str, str]) -> int:
+        return UPOS_ID[table.get(tag, "X")]
+
+
+@functools.lru_cache(maxsize=None)
+def get_tagger(lang: str) -> Tagger:
+    """Shared Tagger per language."""
+    return Tagger(lang)
+
+
+def _byte_to_char_offsets(text: str) -> list[int]:
+    """Map each UTF-8 byte offset of text (0..len(bytes)) to a char offset."""
+    table = []
+    for i, ch in enumerate(text):
+        table += [i] * len(ch.encode("utf-8"))
+    table.append(len(text))
+    return table
+
+
+def piece_spans(sp, text: str) -> list[tuple[int, int]]:
+    """(begin, end) char offsets into the *original* text for each piece of
+    sp.encode(text).
+
+    sentencepiece >= 0.2.1 has out_type='offset_mapping' (char offsets for
+    str input). Older versions only have 'immutable_proto', whose
+    .begin/.end are UTF-8 byte offsets into the original text.
+    Pieces made purely by normalisation (e.g. "…" -> "...") may be empty.
+    """
+    try:
+        return [tuple(o) for o in sp.encode(text, out_type="offset_mapping")["offsets"]]
+    except ValueError:
+        proto = sp.encode(text, out_type="immutable_proto")
+        to_char = _byte_to_char_offsets(text)
+        return [(to_char[p.begin], to_char[p.end]) for p in proto.pieces]
+
+
+def align(spans: list[tuple[int, int]], words: list[tuple[int, int, int]]) -> list[int]:
+    """Tag id per piece span, given sorted (begin, end, tag) word spans.
+
+    A piece takes the tag of the word it overlaps most; a piece that covers
+    no word (whitespace, a lone '▁', a dropped control char) takes the next
+    word's tag, or the last word's at the end of the text.
+    """
+    if not words:
+        return [X_ID] * len(spans)
+    ends = [e for _, e, _ in words]
+    out = []
+    for b, e in spans:
+        i = bisect.bisect_right(ends, b)  # first word ending after b
+        best, best_overlap = None, 0
+        j = i
+        while j < len(words) and words[j][0] < e:
+            overlap = min(e, words[j][1]) - max(b, words[j][0])
+            if overlap > best_overlap:
+                best, best_overlap = j, overlap
+            j += 1
+        if best is None:
+            best = i if i < len(words) else len(words) - 1
+        out.append(words[best][2])
+    return out
+
+
+def subword_tags(text: str, lang: str, sp, tagger: Tagger | None = None) -> list[int]:
+    """One UPOS id per piece of sp.encode(text), same order and length."""
+    tagger = tagger or get_tagger(_check_lang(lang))
+    spans = piece_spans(sp, text)
+    if not spans:
+        return []
+    return align(spans, tagger.tag_text(text))
+
+
+def tag_corpus(texts: Iterable[str], lang: str, sp) -> list[list[int]]:
+    """subword_tags for many sentences with one shared tagger."""
+    tagger = get_tagger(_check_lang(lang))
+    return [subword_tags(t, lang, sp, tagger) for t in texts]
