@@ -1,0 +1,19 @@
+"""Checkpoint directory -> model repository (DESIGN.md, "Contracts between the stages").
+
+    python -m export --checkpoint runs/X --out models/NAME [--format onnx] [--quantize int8]
+
+models/NAME/ holds model.json (manifest.py), spm.model, encoder.onnx and decoder.onnx, and with
+--quantize int8 also encoder.int8.onnx and decoder.int8.onnx (quantize.py).
+
+The graphs (names and axes declared in spec.py; R rows = the beams of all sentences, any mix):
+  encoder.onnx  src_ids (batch, src_len) int64 [, src_tags (batch, src_len) int64 for POS models]
+             -> src_pad (batch, src_len) bool [, global_state, gate_source (batch, D) for GRET],
+                cross_key.i / cross_value.i (batch, H, src_len, d_h) per decoder layer i
+  decoder.onnx  tokens (R,) int64, step () int64, row_sentence (R,) int64, the encoder's outputs,
+                past_key.i / past_value.i (R, H, past_len, d_h), past_len >= 0
+             -> log_probs (R, V) float32, present_key.i / present_value.i (R, H, past_len + 1, d_h)
+
+Modules: spec.py (what the graphs hold), graphs.py (the PyTorch modules that are traced),
+onnx_export.py (trace + check), quantize.py, manifest.py (model.json), repository.py (assembles
+a repository), onnx_runtime.py (the ONNX Runtime backend: encode / decode_step / reorder).
+"""

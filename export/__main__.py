@@ -1,0 +1,42 @@
+"""python -m export --checkpoint DIR --out models/NAME [--format onnx] [--quantize int8]
+
+Writes a model repository (model.json, spm.model, encoder.onnx, decoder.onnx; with --quantize
+int8 also encoder.int8.onnx and decoder.int8.onnx) from a checkpoint directory."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .quantize import QUANTIZATIONS
+from .repository import FORMATS, write_repository
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, type=Path, help="config.json + model.safetensors + spm.model")
+    p.add_argument("--out", required=True, type=Path, help="the model repository to write, e.g. models/NAME")
+    p.add_argument("--format", default="onnx", choices=FORMATS)
+    p.add_argument("--quantize", choices=QUANTIZATIONS, help="also write int8 graphs beside the fp32 ones")
+    p.add_argument("--name", help="model name (default: the name of --out)")
+    p.add_argument("--version", help="model version (default: 12 hex digits of the weights' sha256)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        manifest = write_repository(args.checkpoint, args.out, fmt=args.format, quantize=args.quantize,
+                                    name=args.name, version=args.version, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError) as e:  # RepositoryError, ExportError, a bad config.json
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    sizes = {f: entry["bytes"] for f, entry in manifest["files"].items()}
+    print(json.dumps({"repository": str(args.out), "version": manifest["version"], "files": sizes}, indent=2))
+    return manifest
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,101 @@
+"""Trace a Seq2Seq into encoder.onnx and decoder.onnx and check both against their specs.
+
+The TorchScript-based exporter (torch.onnx.export(dynamo=False)) is used on purpose: it exports
+a tiny model in about a second (the torch.export path takes many times that, which the test
+suite cannot afford for every architecture) and its symbolic shapes accept a past length of 0,
+so the first decoder step needs no special graph.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from training.model import Seq2Seq
+
+from .graphs import DecoderGraph, EncoderGraph, flatten_state
+from .spec import OPSET, GraphSpec, model_specs, unclaimed_weights
+
+ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT, "bool": onnx.TensorProto.BOOL}
+
+# Sample sizes for tracing: all different from each other and > 1, so that no axis is mistaken for
+# another or specialised to a constant.
+SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST = 2, 7, 3, 4
+
+
+class ExportError(ValueError):
+    pass
+
+
+def sample_source(model: Seq2Seq) -> tuple[torch.Tensor, ...]:
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, cfg.vocab_size, (SAMPLE_BATCH, SAMPLE_SRC_LEN), generator=g)
+    src[1, SAMPLE_SRC_LEN - 2:] = cfg.pad_id  # a padded sentence, so the mask is traced as data
+    if not cfg.pos_tags:
+        return (src,)
+    return src, torch.randint(1, cfg.n_pos_tags, src.shape, generator=g)
+
+
+def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    cfg = model.cfg
+    heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
+    tokens = torch.full((SAMPLE_ROWS,), cfg.bos_id)
+    row_sentence = torch.tensor([0, 1, 1])  # unequal beams: nothing may assume rows = batch * beam
+    past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_PAST, d_head) for _ in range(2 * cfg.dec_layers)]
+    return (tokens, torch.tensor(SAMPLE_PAST), row_sentence, *per_sentence, *past)
+
+
+def _export(module: torch.nn.Module, args: tuple, spec: GraphSpec, path: Path) -> None:
+    with warnings.catch_warnings():
+        # the deprecation notice of the TorchScript exporter, and tracer notes about Python ints
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET,
+                          input_names=spec.input_names(), output_names=spec.output_names(),
+                          dynamic_axes=spec.dynamic_axes(), do_constant_folding=True)
+
+
+def signature_errors(graph: onnx.GraphProto, spec: GraphSpec) -> list[str]:
+    """Differences between an ONNX graph's inputs/outputs and the spec (empty = they match)."""
+    errors = []
+    for kind, actual, expected in (("input", graph.input, spec.inputs), ("output", graph.output, spec.outputs)):
+        names = [v.name for v in actual]
+        if names != [t.name for t in expected]:
+            errors.append(f"{spec.name} {kind}s are {names}, the spec says {[t.name for t in expected]}")
+            continue
+        for value, t in zip(actual, expected):
+            tensor_type = value.type.tensor_type
+            dims = tuple(d.dim_param or d.dim_value for d in tensor_type.shape.dim)
+            if tensor_type.elem_type != ONNX_TYPES[t.dtype] or dims != t.shape:
+                errors.append(f"{spec.name} {kind} {t.name}: {onnx.TensorProto.DataType.Name(tensor_type.elem_type)}"
+                              f"{list(dims)}, the spec says {t.dtype}{list(t.shape)}")
+    return errors
+
+
+def check_graph(path: Path, spec: GraphSpec) -> None:
+    onnx.checker.check_model(str(path))
+    errors = signature_errors(onnx.load(str(path), load_external_data=False).graph, spec)
+    if errors:
+        raise ExportError("exported graph does not match its spec:\n  " + "\n  ".join(errors))
+
+
+@torch.no_grad()
+def export_onnx(model: Seq2Seq, directory: Path) -> dict[str, Path]:
+    """Writes encoder.onnx and decoder.onnx (fp32) into `directory`; returns {graph name: path}."""
+    model = model.eval()
+    specs = model_specs(model.cfg)
+    unclaimed = unclaimed_weights([n for n, _ in model.named_parameters()], specs)
+    if unclaimed:
+        raise ExportError(f"no ONNX graph carries these parameters (the exporter does not know their "
+                          f"module): {unclaimed}")
+    encoder, decoder = EncoderGraph(model), DecoderGraph(model)
+    src = sample_source(model)
+    paths = {"encoder": Path(directory) / "encoder.onnx", "decoder": Path(directory) / "decoder.onnx"}
+    _export(encoder, src, specs[0], paths["encoder"])
+    per_sentence = flatten_state(model.encode(*src))
+    _export(decoder, sample_step(model, per_sentence), specs[1], paths["decoder"])
+    for spec in specs:
+        check_graph(paths[spec.name], spec)
+    return paths

@@ -1,0 +1,139 @@
+"""ONNX Runtime backend: a model repository's encoder/decoder graphs behind the interface of
+training.model.Seq2Seq (encode, decode_step, cfg) plus reorder, so training.search's greedy and
+beam search run on it unchanged.
+
+Tensors cross into ONNX Runtime as torch tensors bound by pointer (IO binding), outputs are
+written straight into torch tensors allocated here: no copies on CPU, and with the CUDA provider
+CUDA tensors stay on the device between steps.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from training import search
+from training.config import ModelConfig
+from training.model import EncoderState
+
+from .graphs import flatten_state, unflatten_state
+from .manifest import read_manifest
+from .spec import GraphSpec, decoder_spec, encoder_spec, past_names
+
+NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
+TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
+
+
+def default_device() -> str:
+    """CUDA when both ONNX Runtime's CUDA provider and torch's CUDA are there (the tensors are
+    torch's), else CPU. onnxruntime-gpu lists its CUDA provider even on a machine without a GPU."""
+    usable = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    return "cuda" if usable else "cpu"
+
+
+class OnnxGraph:
+    """One InferenceSession, run on dicts of torch tensors named as in its GraphSpec."""
+
+    def __init__(self, path: Path, spec: GraphSpec, device: str = "cpu", threads: int = 1):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1  # the graphs are sequential chains: no use for more
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.device = torch.device(device)
+        providers = ["CPUExecutionProvider"]
+        if self.device.type == "cuda":
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": self.device.index or 0}))
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
+            raise RuntimeError(f"{path}: ONNX Runtime could not start its CUDA provider")
+        self.spec = spec
+
+    def _bind(self, bind, t, tensor: torch.Tensor) -> None:
+        bind(t.name, self.device.type, self.device.index or 0, NUMPY_TYPES[t.dtype], tuple(tensor.shape),
+             tensor.data_ptr())
+
+    def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        binding = self.session.io_binding()
+        held = []  # the converted inputs must outlive the run
+        for t in self.spec.inputs:
+            tensor = inputs[t.name].to(self.device, TORCH_TYPES[t.dtype]).contiguous()
+            held.append(tensor)
+            self._bind(binding.bind_input, t, tensor)
+        outputs = {}
+        for t in self.spec.outputs:
+            outputs[t.name] = torch.empty(output_shapes[t.name], dtype=TORCH_TYPES[t.dtype], device=self.device)
+            self._bind(binding.bind_output, t, outputs[t.name])
+        self.session.run_with_iobinding(binding)
+        return outputs
+
+
+class OnnxModel:
+    """encode / decode_step / reorder over encoder.onnx and decoder.onnx (or their int8 twins)."""
+
+    def __init__(self, directory: Path, precision: str = "fp32", device: str | None = None, threads: int = 1,
+                 verify: bool = True):
+        directory = Path(directory)
+        self.manifest = read_manifest(directory, verify)
+        if self.manifest["backend"] != "onnx":
+            raise ValueError(f"{directory} is a {self.manifest['backend']} repository, not onnx")
+        precisions = self.manifest["onnx"]["precisions"]
+        if precision not in precisions:
+            raise ValueError(f"{directory} has no {precision} graphs; it has {sorted(precisions)}")
+        self.cfg = ModelConfig.from_dict(self.manifest["model_config"])
+        self.device = torch.device(device or default_device())
+        files = precisions[precision]
+        self.encoder = OnnxGraph(directory / files["encoder"], encoder_spec(self.cfg), self.device, threads)
+        self.decoder = OnnxGraph(directory / files["decoder"], decoder_spec(self.cfg), self.device, threads)
+        self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+
+    def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
+        if self.cfg.pos_tags and src_tags is None:
+            raise ValueError("this model needs source POS tags (config pos_tags=True)")
+        batch, length = src.shape
+        inputs = {"src_ids": src} | ({"src_tags": src_tags} if self.cfg.pos_tags else {})
+        shapes = {}
+        for t in self.encoder.spec.outputs:
+            sizes = {"batch": batch, "src_len": length}
+            shapes[t.name] = tuple(sizes.get(d, d) for d in t.shape)
+        outputs = self.encoder.run(inputs, shapes)
+        return unflatten_state(self.cfg, [outputs[t.name] for t in self.encoder.spec.outputs])
+
+    def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list | None, beam: int = 1,
+                    row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+        """As Seq2Seq.decode_step. Rows read sentence row // beam, or row_sentence[row] when given
+        (any mix of beam sizes). cache None = the first step: an empty past (length 0)."""
+        rows = tokens.shape[0]
+        if row_sentence is None:
+            row_sentence = torch.arange(rows, device=tokens.device) // beam
+        if cache is None:
+            empty = torch.empty(rows, self.n_heads, 0, self.d_head, device=self.device)
+            cache = [(empty, empty)] * self.cfg.dec_layers
+        inputs = {"tokens": tokens, "step": torch.tensor(step), "row_sentence": row_sentence}
+        inputs |= dict(zip([t.name for t in self.encoder.spec.outputs], flatten_state(enc)))
+        for i, (k, v) in enumerate(cache):
+            inputs |= dict(zip(past_names(i), (k, v)))
+        present_len = cache[0][0].shape[2] + 1
+        sizes = {"rows": rows, "present_len": present_len}
+        shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
+        outputs = self.decoder.run(inputs, shapes)
+        new = [outputs[t.name] for t in self.decoder.spec.outputs[1:]]
+        return outputs["log_probs"], [(new[2 * i], new[2 * i + 1]) for i in range(self.cfg.dec_layers)]
+
+    @staticmethod
+    def reorder(cache: list, rows: torch.Tensor) -> list:
+        """Beam search's only reordered state (SPEC §1.8): cache row j <- old row rows[j]."""
+        return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
+
+
+def greedy(model: OnnxModel, src: torch.Tensor, src_tags: torch.Tensor | None = None, **options) -> list[list[int]]:
+    """training.search.greedy, which needs only encode / decode_step / cfg: the same code path."""
+    return search.greedy(model, src, src_tags, **options)
+
+
+def beam_search(model: OnnxModel, src: torch.Tensor, src_tags: torch.Tensor | None = None,
+                **options) -> list[list[search.Hypothesis]]:
+    """training.search.beam_search on the ONNX graphs (same options, same outputs)."""
+    return search.beam_search(model, src, src_tags, **options)

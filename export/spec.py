@@ -1,0 +1,110 @@
+"""Declarative description of the two ONNX graphs of a model repository.
+
+A spec says, for one model config, which tensors go in and out of each graph (name, element
+type, axes: a name for a dynamic axis, an int for a fixed one) and which of the model's weights
+each graph carries. Export is checked against it twice: before tracing (every parameter of the
+model is claimed by some graph, so a module the exporter does not know about is an error rather
+than a silently missing weight) and after writing (the ONNX signature is exactly the spec's).
+The runtime wrapper reads the same spec, so the names live in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.config import ModelConfig
+
+OPSET = 17  # LayerNormalization is a native op from 17 on
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # int64 | float32 | bool
+    shape: tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    weights: tuple[str, ...]  # parameter-name prefixes whose weights live in this graph
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """In the form torch.onnx.export wants: tensor name -> {axis: axis name}."""
+        axes = {}
+        for t in self.inputs + self.outputs:
+            named = {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
+            if named:
+                axes[t.name] = named
+        return axes
+
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+
+# Everything of a DecoderLayer except the cross-attention K/V projections (those run in the encoder).
+DECODER_LAYER_PARTS = ("self_attn", "cross_attn.q", "cross_attn.o", "ffn", "res_self", "res_cross", "res_ffn")
+
+
+def cross_names(layer: int) -> tuple[str, str]:
+    return f"cross_key.{layer}", f"cross_value.{layer}"
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key.{layer}", f"past_value.{layer}"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present_key.{layer}", f"present_value.{layer}"
+
+
+def _per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
+    """What the encoder computes once per sentence and every decoder step reads (SPEC §1.8)."""
+    heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
+    out = [TensorSpec("src_pad", "bool", ("batch", "src_len"))]
+    if cfg.gret:
+        out.append(TensorSpec("global_state", "float32", ("batch", cfg.d_model)))
+    if cfg.gate:
+        out.append(TensorSpec("gate_source", "float32", ("batch", cfg.d_model)))
+    for i in range(cfg.dec_layers):
+        out += [TensorSpec(n, "float32", ("batch", heads, "src_len", d_head)) for n in cross_names(i)]
+    return out
+
+
+def encoder_spec(cfg: ModelConfig) -> GraphSpec:
+    inputs = [TensorSpec("src_ids", "int64", ("batch", "src_len"))]
+    if cfg.pos_tags:
+        inputs.append(TensorSpec("src_tags", "int64", ("batch", "src_len")))
+    weights = ["embed.", "src_word.", "tag_embed.", "src_in.", "encoder.", "multiview.", "global_state.",
+               "context_gate.w_s."]
+    weights += [f"decoder.{i}.cross_attn.{p}." for i in range(cfg.dec_layers) for p in "kv"]
+    return GraphSpec("encoder", tuple(inputs), tuple(_per_sentence(cfg)), tuple(weights))
+
+
+def decoder_spec(cfg: ModelConfig) -> GraphSpec:
+    heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
+    inputs = [TensorSpec("tokens", "int64", ("rows",)),
+              TensorSpec("step", "int64", ()),
+              TensorSpec("row_sentence", "int64", ("rows",))]
+    inputs += _per_sentence(cfg)
+    outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
+    for i in range(cfg.dec_layers):
+        inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
+        outputs += [TensorSpec(n, "float32", ("rows", heads, "present_len", d_head)) for n in present_names(i)]
+    weights = ["embed.", "dec_norm.", "context_gate.w_r."]
+    weights += [f"decoder.{i}.{part}." for i in range(cfg.dec_layers) for part in DECODER_LAYER_PARTS]
+    return GraphSpec("decoder", tuple(inputs), tuple(outputs), tuple(weights))
+
+
+def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, GraphSpec]:
+    return encoder_spec(cfg), decoder_spec(cfg)
+
+
+def unclaimed_weights(parameter_names: list[str], specs: tuple[GraphSpec, ...]) -> list[str]:
+    """Parameters that no graph says it carries: exporting would drop them."""
+    prefixes = tuple(p for s in specs for p in s.weights)
+    return [n for n in parameter_names if not n.startswith(prefixes)]

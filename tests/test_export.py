@@ -1,0 +1,210 @@
+"""ONNX export: every architecture's graphs give the PyTorch log-probabilities, beam search on the
+ONNX Runtime backend gives the PyTorch outputs on real sentences, int8 graphs run, and bad input
+is refused clearly.
+
+Parity tolerance: log-probabilities within atol 1e-4 + rtol 1e-4 (fp32; observed differences are
+about 1e-5, from ONNX Runtime's fused kernels and a different summation order)."""
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+import torch
+
+from export.__main__ import main as export_main
+from export.manifest import MANIFEST, read_manifest, sha256
+from export.onnx_export import ExportError, export_onnx, signature_errors
+from export.onnx_runtime import OnnxModel, beam_search, greedy
+from export.spec import decoder_spec, encoder_spec
+from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
+from training import search, train
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.config import Checkpoint, DataConfig
+from training.data import encode_source, load_examples, pad, train_sentencepiece
+from training.model import Seq2Seq
+
+torch.set_num_threads(1)
+ALL = sorted(ARCHITECTURES)
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def spm_bytes():
+    examples = load_examples("multi30k", "train", "de", "en")[:200]
+    return train_sentencepiece([e.source for e in examples] + [e.target for e in examples], 100)
+
+
+def export_tiny(name: str, directory, spm: bytes, **export_options) -> tuple[Seq2Seq, OnnxModel]:
+    torch.manual_seed(0)
+    model = perturb(Seq2Seq(tiny_config(name)))  # moves zero-initialised weights, as test_model does
+    save_checkpoint(directory / "checkpoint", model, Checkpoint(model.cfg, DataConfig()), spm)
+    export_main(["--checkpoint", str(directory / "checkpoint"), "--out", str(directory / "repo"), *export_options])
+    return model, OnnxModel(directory / "repo")
+
+
+def within_sentence_shuffle(n_sent: int, beam: int, g: torch.Generator) -> torch.Tensor:
+    """A beam-search-like reorder: each row takes the cache of some row of its own sentence."""
+    return (torch.arange(n_sent)[:, None] * beam + torch.randint(0, beam, (n_sent, beam), generator=g)).flatten()
+
+
+# ---- log-probability parity, every architecture ------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_onnx_log_probs_match_pytorch_over_steps_with_beams_and_padding(name, tmp_path, spm_bytes):
+    model, onnx_model = export_tiny(name, tmp_path, spm_bytes)
+    src, tags = random_batch(model.cfg, [6, 4, 9])  # padded sentences
+    beam, steps = 3, 4
+    ref_enc, enc = model.encode(src, tags), onnx_model.encode(src, tags)
+    torch.testing.assert_close(enc.src_pad, ref_enc.src_pad, rtol=0, atol=0)
+    for (k, v), (ref_k, ref_v) in zip(enc.memory, ref_enc.memory):
+        torch.testing.assert_close(k, ref_k, **TOLERANCE)
+        torch.testing.assert_close(v, ref_v, **TOLERANCE)
+    if model.cfg.gret:
+        torch.testing.assert_close(enc.global_state, ref_enc.global_state, **TOLERANCE)
+    g = torch.Generator().manual_seed(1)
+    ref_cache = cache = None
+    for step in range(steps):
+        tokens = torch.randint(4, model.cfg.vocab_size, (3 * beam,), generator=g)
+        ref_log_probs, ref_cache = model.decode_step(tokens, step, ref_enc, ref_cache, beam)
+        log_probs, cache = onnx_model.decode_step(tokens, step, enc, cache, beam)
+        torch.testing.assert_close(log_probs, ref_log_probs, **TOLERANCE)
+        rows = within_sentence_shuffle(3, beam, g)
+        ref_cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in ref_cache]
+        cache = onnx_model.reorder(cache, rows)
+
+
+def test_rows_may_mix_beam_sizes_without_tiling_the_encoder_output(tmp_path, spm_bytes):
+    """row_sentence lets sentences with beams 1, 3 and 2 share one decoder step."""
+    model, onnx_model = export_tiny("gret_full", tmp_path, spm_bytes)
+    src, _ = random_batch(model.cfg, [6, 4, 9])
+    beams = [1, 3, 2]
+    row_sentence = torch.repeat_interleave(torch.arange(3), torch.tensor(beams))
+    enc = onnx_model.encode(src)
+    assert enc.memory[0][0].shape[0] == 3  # one K/V entry per sentence
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(4, model.cfg.vocab_size, (2, len(row_sentence)), generator=g)
+    cache = None
+    ref = {i: (model.encode(src[i: i + 1]), None) for i in range(3)}
+    for step in range(2):
+        log_probs, cache = onnx_model.decode_step(tokens[step], step, enc, cache, row_sentence=row_sentence)
+        for i, beam in enumerate(beams):
+            mine = row_sentence.eq(i)
+            ref_enc, ref_cache = ref[i]
+            ref_log_probs, ref_cache = model.decode_step(tokens[step][mine], step, ref_enc, ref_cache, beam)
+            ref[i] = ref_enc, ref_cache
+            torch.testing.assert_close(log_probs[mine], ref_log_probs, **TOLERANCE)
+
+
+def test_first_step_has_an_empty_past_and_the_past_axis_is_dynamic(tmp_path, spm_bytes):
+    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
+    graph = onnx.load(str(tmp_path / "repo" / "decoder.onnx")).graph
+    past = next(v for v in graph.input if v.name == "past_key.0")
+    assert [d.dim_param or d.dim_value for d in past.type.tensor_type.shape.dim] == ["rows", 4, "past_len", 16]
+    src, _ = random_batch(model.cfg, [5, 3])
+    enc = onnx_model.encode(src)
+    tokens = torch.full((4,), model.cfg.bos_id)
+    log_probs, cache = onnx_model.decode_step(tokens, 0, enc, None, beam=2)  # past length 0
+    assert [tuple(k.shape) for k, _ in cache] == [(4, 4, 1, 16)] * model.cfg.dec_layers
+    torch.testing.assert_close(log_probs, model.decode_step(tokens, 0, model.encode(src), None, 2)[0], **TOLERANCE)
+
+
+# ---- the repository ------------------------------------------------------------------------------
+def test_repository_lists_its_files_signatures_and_recorded_metrics(tmp_path, spm_bytes):
+    model, _ = export_tiny("mvpe_pos", tmp_path, spm_bytes)
+    repo = tmp_path / "repo"
+    manifest = json.loads((repo / MANIFEST).read_text())
+    assert manifest["backend"] == "onnx" and manifest["task"] == "translate"
+    assert (manifest["source_language"], manifest["target_language"]) == ("de", "en")
+    assert manifest["onnx"]["opset"] == 17 and manifest["onnx"]["precisions"] == {
+        "fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx"}}
+    assert set(manifest["files"]) == {"encoder.onnx", "decoder.onnx", "spm.model"}
+    assert all(sha256(repo / f) == entry["sha256"] for f, entry in manifest["files"].items())
+    assert "POS tags" in manifest["architecture"]["summary"] and "metrics" in manifest
+    assert manifest["version"] == sha256(tmp_path / "checkpoint" / "model.safetensors")[:12]
+    for spec in (encoder_spec(model.cfg), decoder_spec(model.cfg)):
+        assert signature_errors(onnx.load(str(repo / f"{spec.name}.onnx")).graph, spec) == []
+    assert [t["name"] for t in manifest["onnx"]["graphs"]["encoder"]["inputs"]] == ["src_ids", "src_tags"]
+    (repo / "spm.model").write_bytes(b"changed")
+    with pytest.raises(ValueError, match="sha256"):
+        read_manifest(repo)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "spm.model"])
+def test_an_incomplete_checkpoint_is_refused_by_name(missing, tmp_path, spm_bytes, capsys):
+    model = Seq2Seq(tiny_config("vanilla"))
+    save_checkpoint(tmp_path / "ck", model, Checkpoint(model.cfg, DataConfig()), spm_bytes)
+    (tmp_path / "ck" / missing).unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "repo")])
+    assert exit_info.value.code == 2 and missing in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_unknown_format_or_quantization_and_an_occupied_output_are_refused(tmp_path, spm_bytes, capsys):
+    model = Seq2Seq(tiny_config("vanilla"))
+    save_checkpoint(tmp_path / "ck", model, Checkpoint(model.cfg, DataConfig()), spm_bytes)
+    for bad in (["--format", "tflite"], ["--quantize", "int4"]):
+        with pytest.raises(SystemExit):
+            export_main(["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "repo"), *bad])
+        assert "invalid choice" in capsys.readouterr().err
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit):
+        export_main(["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "repo")])
+    assert "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "repo2")])
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_parameter_no_graph_carries_is_an_error(tmp_path):
+    model = Seq2Seq(tiny_config("vanilla")).eval()
+    model.extra_head = torch.nn.Linear(4, 4)  # a module the exporter does not know
+    with pytest.raises(ExportError, match="extra_head.weight"):
+        export_onnx(model, tmp_path)
+
+
+# ---- a model trained on real data: beam search parity and int8 -----------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny GRET model trained 60 steps on 60 real pairs (enough for word-like output, e.g.
+    "A man in a ... on a ..."), exported with int8 graphs."""
+    out = tmp_path_factory.mktemp("trained")
+    train.main(["--out", str(out / "checkpoint"), "--preset", "tiny", "--gret", "full", "--train-limit", "60",
+                "--valid-limit", "4", "--vocab-size", "300", "--batch-tokens", "600", "--lr", "5e-3",
+                "--warmup", "10", "--label-smoothing", "0", "--dropout", "0", "--threads", "1",
+                "--max-steps", "60", "--eval-every", "60", "--log-every", "20"])
+    export_main(["--checkpoint", str(out / "checkpoint"), "--out", str(out / "repo"), "--quantize", "int8"])
+    model, ckpt, sp = load_checkpoint(out / "checkpoint")
+    texts = [e.source for e in load_examples("multi30k", "val", "de", "en")[:20]]
+    src = pad([encode_source(sp, t, ckpt.data.max_src_len) for t in texts])
+    return model, out / "repo", src
+
+
+def test_beam_search_on_onnx_gives_the_pytorch_outputs_on_real_sentences(trained):
+    model, repo, src = trained
+    onnx_model = OnnxModel(repo)
+    expected = search.beam_search(model, src, beam=4, n_best=2)
+    assert sum(len(hyps[0].tokens) >= 5 for hyps in expected) >= 15  # real output, not EOS at once
+    actual = beam_search(onnx_model, src, beam=4, n_best=2)
+    assert [[h.tokens for h in hyps] for hyps in actual] == [[h.tokens for h in hyps] for hyps in expected]
+    for hyps, ref_hyps in zip(actual, expected):
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in ref_hyps], abs=1e-4)
+    assert greedy(onnx_model, src) == search.greedy(model, src)
+
+
+def test_int8_graphs_run_and_give_valid_output(trained):
+    model, repo, src = trained
+    manifest = read_manifest(repo)
+    assert manifest["onnx"]["precisions"]["int8"] == {"encoder": "encoder.int8.onnx", "decoder": "decoder.int8.onnx"}
+    files = manifest["files"]
+    assert files["decoder.int8.onnx"]["bytes"] < files["decoder.onnx"]["bytes"]
+    int8, fp32 = OnnxModel(repo, precision="int8"), OnnxModel(repo)
+    tokens = torch.full((src.shape[0],), model.cfg.bos_id)
+    log_probs, _ = int8.decode_step(tokens, 0, int8.encode(src), None)
+    assert log_probs.shape == (src.shape[0], model.cfg.vocab_size) and torch.isfinite(log_probs).all()
+    torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(src.shape[0]), atol=1e-4, rtol=0)
+    reference, _ = fp32.decode_step(tokens, 0, fp32.encode(src), None)
+    assert (log_probs - reference).abs().max() < 0.25  # quantization noise (observed 0.04), not a different model
+    hyps = beam_search(int8, src, beam=4)
+    assert all(h and all(0 <= t < model.cfg.vocab_size for t in h[0].tokens) for h in hyps)
