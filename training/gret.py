@@ -3,43 +3,12 @@ and the context gate at the output layer."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.context_gate import context_gate_reference
+from kernels.routing import capsule_routing, masked_mean, squash  # the dispatcher and the reference math
+
 from .layers import FeedForward
-
-
-def squash(t: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Vector squash over the last axis, in fp32: |q| = n2 / (1 + n2) < 1."""
-    t32 = t.float()
-    n2 = (t32 * t32).sum(-1, keepdim=True)
-    return (n2 / (1 + n2) * t32 / torch.sqrt(n2 + eps)).to(t.dtype)
-
-
-def masked_mean(h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    keep = (~pad).to(h.dtype)[..., None]
-    return (h * keep).sum(-2) / keep.sum(-2).clamp(min=1)
-
-
-def capsule_routing(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
-                    detach: bool = False) -> torch.Tensor:
-    """Factorised dynamic routing. h: (G, S, D) sentences (all layers of a batch stacked),
-    pad: (G, S) True = pad, w: (K, D, d_c). Returns capsules U: (G, K, d_c).
-
-    Never materialises the transformed inputs (G, K, S, d_c): the agreement b_ki = h_i . Z_k with
-    Z_k = W_k sum_t u_k^(t), so each iteration is a K-query attention over h plus two GEMMs."""
-    n_caps = w.shape[0]
-    pooled = masked_mean(h, pad)[:, None, :].expand(-1, n_caps, -1)  # iteration 1: uniform c
-    z = None
-    for t in range(iters):
-        if t > 0:
-            logits = torch.einsum("gkd,gsd->gks", z, h).float().masked_fill(pad[:, None, :], float("-inf"))
-            pooled = torch.einsum("gks,gsd->gkd", torch.softmax(logits, -1).to(h.dtype), h)
-        u = squash(torch.einsum("gkd,kdc->gkc", pooled, w))
-        if t < iters - 1:
-            step = torch.einsum("gkc,kdc->gkd", u.detach() if detach else u, w)
-            z = step if z is None else z + step
-    return u
 
 
 def capsule_routing_explicit(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int) -> torch.Tensor:
@@ -125,5 +94,4 @@ class ContextGate(nn.Module):
 
     def forward(self, r: torch.Tensor, s: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
         """r: (B, beam, T, D); s, gs: (B, D) read by every beam of the sentence."""
-        g = torch.sigmoid(self.w_r(r) + gs[:, None, None])
-        return r + g * s[:, None, None]
+        return context_gate_reference(r, self.w_r.weight, s, gs)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cross_attention import grouped_attention_reference, grouped_cross_attention
+
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (B, H, S, d_h)
 
 
@@ -25,17 +27,17 @@ class MultiHeadAttention(nn.Module):
         return self.split(self.k(memory)), self.split(self.v(memory))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pad: torch.Tensor | None = None,
-               causal: bool = False, beam: int = 1) -> torch.Tensor:
+               causal: bool = False, beam: int = 1, kernel: bool = False) -> torch.Tensor:
         """q: (R, H, T, d) projected queries. With beam > 1, K/V hold one entry per sentence and
-        row r reads sentence r // beam: the beams are folded into the query axis, never tiled."""
-        rows, _, t, _ = q.shape
-        if beam > 1:
-            q = q.unflatten(0, (rows // beam, beam)).transpose(1, 2).flatten(2, 3)  # (B, H, beam*T, d)
-        mask = None if key_pad is None else ~key_pad[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             dropout_p=self.dropout if self.training else 0.0)
-        if beam > 1:
-            out = out.unflatten(2, (beam, t)).transpose(1, 2).flatten(0, 1)  # (R, H, T, d)
+        row r reads sentence r // beam: the beams are folded into the query axis, never tiled.
+        kernel=True (the decoder's cross-attention) goes through the dispatcher: the Triton kernel
+        on CUDA at decode time, the same reference math otherwise."""
+        dropout_p = self.dropout if self.training else 0.0
+        if causal:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        else:
+            attention = grouped_cross_attention if kernel else grouped_attention_reference
+            out = attention(q, k, v, key_pad, beam, dropout_p)
         return self.o(out.transpose(1, 2).flatten(2))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
@@ -129,5 +131,5 @@ class DecoderLayer(nn.Module):
 
         x = self.res_self(x, self_attention)
         x = self.res_cross(x, lambda h: self.cross_attn.attend(
-            self.cross_attn.split(self.cross_attn.q(h)), *memory, key_pad=src_pad, beam=beam))
+            self.cross_attn.split(self.cross_attn.q(h)), *memory, key_pad=src_pad, beam=beam, kernel=True))
         return self.res_ffn(x, self.ffn), new_cache

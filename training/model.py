@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.context_gate import gated_output
+from kernels.cross_attention import memory_kv
+
 from .config import ModelConfig
 from .gret import ContextGate, GlobalState
 from .graph_encoder import GraphEncoder
@@ -85,25 +88,37 @@ class Seq2Seq(nn.Module):
     def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
         pad = src.eq(self.cfg.pad_id)
         views = self.encoder(self.embed_source(src, src_tags), pad)
-        memories = self.multiview(views) if self.multiview is not None else [views[-1]] * self.cfg.dec_layers
-        kv = [layer.cross_attn.keys_values(m) for layer, m in zip(self.decoder, memories)]
+        kv = self.cross_keys_values(views)
         s = gs = None
         if self.global_state is not None:
             s = self.global_state(views, pad)
             gs = self.context_gate.source_part(s) if self.context_gate is not None else None
         return EncoderState(kv, pad, s, gs)
 
+    def cross_keys_values(self, views: list[torch.Tensor]) -> list[KV]:
+        """Each decoder layer's cross-attention (K, V) over its memory M_i (SPEC §2; M_i = S_N
+        without multi-view), computed once per sentence by kernels.cross_attention.memory_kv."""
+        if self.multiview is not None:
+            sources, index = self.multiview.sources(views)
+            norms = self.multiview.norm_params()
+        else:
+            sources, index, norms = views[-1][None], [0] * self.cfg.dec_layers, None
+        projections = [(a.k.weight, a.k.bias, a.v.weight, a.v.bias) for a in (d.cross_attn for d in self.decoder)]
+        return memory_kv(sources, index, views[-1] if norms is not None else None, norms, projections,
+                         self.cfg.n_heads)
+
     # ---- decoder ------------------------------------------------------------------------
     def output(self, h: torch.Tensor, enc: EncoderState, beam: int) -> torch.Tensor:
-        """Final hidden states (R, T, D) -> logits (R, T, V), with GRET's global state added."""
+        """Final hidden states (R, T, D) -> logits (R, T, V), with GRET's global state added.
+        LN_out + context gate run as one kernel on CUDA (kernels.context_gate.gated_output)."""
+        if enc.global_state is not None and self.context_gate is not None:
+            norm = self.dec_norm
+            params = (norm.weight, norm.bias, norm.eps) if isinstance(norm, nn.LayerNorm) else None
+            r = gated_output(h, self.context_gate.w_r.weight, enc.global_state, enc.gate_source, beam, params)
+            return F.linear(r, self.embed.weight)
         r = self.dec_norm(h)
         if enc.global_state is not None:
-            grouped = r.unflatten(0, (-1, beam))  # (B, beam, T, D)
-            if self.context_gate is not None:
-                grouped = self.context_gate(grouped, enc.global_state, enc.gate_source)
-            else:
-                grouped = grouped + enc.global_state[:, None, None]
-            r = grouped.flatten(0, 1)
+            r = (r.unflatten(0, (-1, beam)) + enc.global_state[:, None, None]).flatten(0, 1)
         return F.linear(r, self.embed.weight)
 
     def decode(self, tgt_in: torch.Tensor, enc: EncoderState) -> torch.Tensor:

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from kernels.cross_attention import memories_reference
+
 
 def _round(x: float) -> int:
     return int(math.floor(x + 0.5))
@@ -47,10 +49,20 @@ class MultiViewMemory(nn.Module):
             return (torch.softmax(scores, 0)[..., None] * stacked).sum(0)
         return stacked[view_index(self.strategy, i + 1, self.n_enc, self.n_dec) - 1]
 
-    def forward(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+    def sources(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """(candidates (V, B, S, D), index): decoder layer i reads g_i(S) = candidates[index[i]].
+        GCA/GPA/FGA pick a view; FMA/AMA's mixtures are computed here, one per layer."""
         stacked = torch.stack(views)
-        memories = []
-        for i in range(self.n_dec):
-            g = self.view(i, stacked)
-            memories.append(self.norms[i](g + views[-1]) if self.soft else g)
-        return memories
+        if self.strategy in ("fma", "ama"):
+            return torch.stack([self.view(i, stacked) for i in range(self.n_dec)]), list(range(self.n_dec))
+        return stacked, [view_index(self.strategy, i + 1, self.n_enc, self.n_dec) - 1 for i in range(self.n_dec)]
+
+    def norm_params(self) -> list[tuple[torch.Tensor, torch.Tensor, float]] | None:
+        """LN_i's (gamma, beta, eps) for soft integration; None for direct replacement."""
+        return [(n.weight, n.bias, n.eps) for n in self.norms] if self.soft else None
+
+    def forward(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """M_i per decoder layer (the model itself goes through kernels.cross_attention.memory_kv,
+        which fuses this with the K/V projections)."""
+        sources, index = self.sources(views)
+        return memories_reference(sources, index, views[-1], self.norm_params())

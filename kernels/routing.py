@@ -1,0 +1,195 @@
+"""Capsule dynamic routing (SPEC §1.3) over G sentences: the M encoder layers of a batch of B
+sentences are routed as one group of G = B*M independent sentences.
+
+Reference: `capsule_routing_reference`, the factorised algorithm the model trains with. The
+transformed inputs u_hat (G, K, S, d_c) are never built: the agreement b_ki = h_i . Z_k with
+Z_k = W_k sum_t u_k^(t), so each iteration is a K-query attention over h plus two GEMMs.
+
+Triton (2r launches for r iterations, all buffers in the input dtype, fp32 accumulation):
+  iteration 1   masked mean          grid (G, cdiv(D, BLOCK_D))    Hb = mean of the non-pad h
+                (Z = 0 makes the softmax uniform, so the logits are skipped)
+  iteration >1  R1 routing attention grid (G, cdiv(K, BLOCK_K))    Hb = softmax_S(Z h^T) h
+                logits by tl.dot, pads -inf, online softmax in fp32 while streaming S tiles
+  every one     R2 transform+squash  grid (K, cdiv(G, BLOCK_R))    U = squash(Hb_k W_k);
+                if another iteration follows, Z_k += U W_k^T instead of writing U
+R2 gives each capsule k one program per block of sentences, so W_k is read G/BLOCK_R times,
+not G times. The routing logits stay per sentence (never mixed across the group).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import block, dot_precision, use_triton
+
+SQUASH_EPS = 1e-8
+
+
+# ---- reference (the model's own math) ---------------------------------------------------
+def squash(t: torch.Tensor, eps: float = SQUASH_EPS) -> torch.Tensor:
+    """Vector squash over the last axis, in fp32: |q| = n2 / (1 + n2) < 1."""
+    t32 = t.float()
+    n2 = (t32 * t32).sum(-1, keepdim=True)
+    return (n2 / (1 + n2) * t32 / torch.sqrt(n2 + eps)).to(t.dtype)
+
+
+def masked_mean(h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    keep = (~pad).to(h.dtype)[..., None]
+    return (h * keep).sum(-2) / keep.sum(-2).clamp(min=1)
+
+
+def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
+                              detach: bool = False) -> torch.Tensor:
+    """h: (G, S, D), pad: (G, S) True = pad, w: (K, D, d_c). Returns capsules U: (G, K, d_c)."""
+    n_caps = w.shape[0]
+    pooled = masked_mean(h, pad)[:, None, :].expand(-1, n_caps, -1)  # iteration 1: uniform c
+    z = None
+    for t in range(iters):
+        if t > 0:
+            logits = torch.einsum("gkd,gsd->gks", z, h).float().masked_fill(pad[:, None, :], float("-inf"))
+            pooled = torch.einsum("gks,gsd->gkd", torch.softmax(logits, -1).to(h.dtype), h)
+        u = squash(torch.einsum("gkd,kdc->gkc", pooled, w))
+        if t < iters - 1:
+            step = torch.einsum("gkc,kdc->gkd", u.detach() if detach else u, w)
+            z = step if z is None else z + step
+    return u
+
+
+# ---- dispatcher ---------------------------------------------------------------------------
+def capsule_routing(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
+                    detach: bool = False) -> torch.Tensor:
+    """Triton on CUDA at inference, the reference otherwise (`detach` only matters for gradients)."""
+    if use_triton(h, w):
+        return capsule_routing_triton(h, pad, w, iters)
+    return capsule_routing_reference(h, pad, w, iters, detach)
+
+
+# ---- Triton -------------------------------------------------------------------------------
+@triton.jit
+def _masked_mean_kernel(h_ptr, pad_ptr, out_ptr, S, D, stride_hg, stride_hs, stride_pg, stride_og,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    g = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    total = tl.zeros([BLOCK_D], tl.float32)
+    count = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        keep = (offs_s < S) & (tl.load(pad_ptr + g * stride_pg + offs_s, mask=offs_s < S, other=1) == 0)
+        h = tl.load(h_ptr + g * stride_hg + offs_s[:, None] * stride_hs + offs_d[None, :],
+                    mask=keep[:, None] & d_ok[None, :], other=0.0)
+        total += tl.sum(h.to(tl.float32), 0)
+        count += keep.to(tl.float32)
+    mean = total / tl.maximum(tl.sum(count, 0), 1.0)
+    tl.store(out_ptr + g * stride_og + offs_d, mean.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _routing_attention_kernel(h_ptr, pad_ptr, z_ptr, out_ptr, S, D, K,
+                              stride_hg, stride_hs, stride_pg, stride_zg, stride_zk, stride_og, stride_ok,
+                              BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """R1: Hb[g, k] = sum_s softmax_s(Z[g, k] . h[g, s]) h[g, s], pads excluded."""
+    g = tl.program_id(0)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)  # D whole: the output row block (BLOCK_K, D) lives in registers
+    k_ok, d_ok = offs_k < K, offs_d < D
+    z = tl.load(z_ptr + g * stride_zg + offs_k[:, None] * stride_zk + offs_d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    # Finite start for the running max: a tile of pads only gives exp(-inf - (-1e30)) = 0, not NaN.
+    run_max = tl.full([BLOCK_K], -1e30, tl.float32)
+    run_sum = tl.zeros([BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        keep = (offs_s < S) & (tl.load(pad_ptr + g * stride_pg + offs_s, mask=offs_s < S, other=1) == 0)
+        h = tl.load(h_ptr + g * stride_hg + offs_s[:, None] * stride_hs + offs_d[None, :],
+                    mask=keep[:, None] & d_ok[None, :], other=0.0)
+        logits = tl.dot(z, tl.trans(h), input_precision=PRECISION)  # (BLOCK_K, BLOCK_S), unscaled
+        logits = tl.where(keep[None, :], logits, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(logits, 1))
+        rescale = tl.exp(run_max - new_max)
+        p = tl.exp(logits - new_max[:, None])
+        run_sum = run_sum * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(h.dtype), h, input_precision=PRECISION)
+        run_max = new_max
+    out = acc / run_sum[:, None]
+    tl.store(out_ptr + g * stride_og + offs_k[:, None] * stride_ok + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _capsule_transform_kernel(hb_ptr, w_ptr, z_ptr, u_ptr, G, D, C,
+                              stride_hg, stride_hk, stride_wk, stride_wd, stride_zg, stride_zk,
+                              stride_ug, stride_uk, EPS,
+                              ADD_Z: tl.constexpr, WRITE_Z: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """R2: U[g, k] = squash(Hb[g, k] W_k); then either Z[g, k] (+)= U W_k^T or write U."""
+    k = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)  # d_c whole: the squash needs the full capsule vector
+    r_ok, c_ok = offs_r < G, offs_c < C
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        hb = tl.load(hb_ptr + offs_r[:, None] * stride_hg + k * stride_hk + offs_d[None, :],
+                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + k * stride_wk + offs_d[:, None] * stride_wd + offs_c[None, :],
+                    mask=d_ok[:, None] & c_ok[None, :], other=0.0)
+        acc += tl.dot(hb, w, input_precision=PRECISION)
+    n2 = tl.sum(acc * acc, 1)  # padded columns are 0, so this is the norm over d_c
+    u = (acc * (n2 / (1 + n2) / tl.sqrt(n2 + EPS))[:, None]).to(u_ptr.dtype.element_ty)
+    if WRITE_Z:
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            w = tl.load(w_ptr + k * stride_wk + offs_d[:, None] * stride_wd + offs_c[None, :],
+                        mask=d_ok[:, None] & c_ok[None, :], other=0.0)
+            step = tl.dot(u, tl.trans(w), input_precision=PRECISION)  # (BLOCK_R, BLOCK_D)
+            z_at = z_ptr + offs_r[:, None] * stride_zg + k * stride_zk + offs_d[None, :]
+            z_ok = r_ok[:, None] & d_ok[None, :]
+            if ADD_Z:
+                step += tl.load(z_at, mask=z_ok, other=0.0).to(tl.float32)
+            tl.store(z_at, step.to(z_ptr.dtype.element_ty), mask=z_ok)
+    else:
+        tl.store(u_ptr + offs_r[:, None] * stride_ug + k * stride_uk + offs_c[None, :], u,
+                 mask=r_ok[:, None] & c_ok[None, :])
+
+
+def capsule_routing_triton(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int) -> torch.Tensor:
+    """Same contract as the reference (every sentence needs at least one non-pad position)."""
+    g, s, d = h.shape
+    k, _, c = w.shape
+    h, w = h.contiguous(), w.to(h.dtype).contiguous()
+    pad = pad.contiguous().view(torch.uint8)
+    precision = dot_precision()
+    mean = torch.empty(g, d, dtype=h.dtype, device=h.device)
+    hb = torch.empty(g, k, d, dtype=h.dtype, device=h.device)
+    z = torch.empty(g, k, d, dtype=h.dtype, device=h.device)
+    u = torch.empty(g, k, c, dtype=h.dtype, device=h.device)
+    mean_block = block(d, hi=128)
+    _masked_mean_kernel[(g, triton.cdiv(d, mean_block))](
+        h, pad, mean, s, d, h.stride(0), h.stride(1), pad.stride(0), mean.stride(0),
+        BLOCK_S=block(s, hi=32), BLOCK_D=mean_block)
+    # R1 keeps Z, the h tile and the accumulator (each rows x D) in registers: smaller tiles and
+    # more warps once D is large. Untuned guesses - no GPU was available to measure them.
+    wide = d > 256
+    block_r, block_k, block_s = block(g, hi=64), block(k, hi=16 if wide else 32), block(s, hi=16 if wide else 32)
+    for t in range(iters):
+        if t > 0:
+            _routing_attention_kernel[(g, triton.cdiv(k, block_k))](
+                h, pad, z, hb, s, d, k, h.stride(0), h.stride(1), pad.stride(0), z.stride(0), z.stride(1),
+                hb.stride(0), hb.stride(1),
+                BLOCK_K=block_k, BLOCK_S=block_s, BLOCK_D=block(d), PRECISION=precision,
+                num_warps=8 if wide else 4)
+        # iteration 1 reads the per-sentence mean for every capsule (k stride 0)
+        src, stride_g, stride_k = (mean, mean.stride(0), 0) if t == 0 else (hb, hb.stride(0), hb.stride(1))
+        _capsule_transform_kernel[(k, triton.cdiv(g, block_r))](
+            src, w, z, u, g, d, c, stride_g, stride_k, w.stride(0), w.stride(1), z.stride(0), z.stride(1),
+            u.stride(0), u.stride(1), SQUASH_EPS,
+            ADD_Z=t > 0, WRITE_Z=t < iters - 1,
+            BLOCK_R=block_r, BLOCK_D=block(d, hi=64), BLOCK_C=block(c), PRECISION=precision)
+    return u
