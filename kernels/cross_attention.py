@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import block, dot_precision, use_triton
+from .online_softmax import online_softmax_update
 
 KV = tuple[torch.Tensor, torch.Tensor]
 LayerNormParams = tuple[torch.Tensor, torch.Tensor, float]  # (gamma, beta, eps)
@@ -221,13 +222,7 @@ def _grouped_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, o_ptr, S, T, QROWS, 
         kt = tl.load(k_ptr + b * sk_b + h * sk_h + offs_s[:, None] * sk_s + offs_d[None, :], mask=kv_ok, other=0.0)
         vt = tl.load(v_ptr + b * sv_b + h * sv_h + offs_s[:, None] * sv_s + offs_d[None, :], mask=kv_ok, other=0.0)
         scores = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * SCALE
-        scores = tl.where(keep[None, :], scores, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(scores, 1))
-        rescale = tl.exp(run_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
-        run_sum = run_sum * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        run_max = new_max
+        run_max, run_sum, acc = online_softmax_update(scores, keep, vt, run_max, run_sum, acc, PRECISION)
     out = acc / run_sum[:, None]
     tl.store(o_ptr + row[:, None] * so_r + h * so_h + t[:, None] * so_t + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])

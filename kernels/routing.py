@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import block, dot_precision, use_triton
+from .online_softmax import online_softmax_update
 
 SQUASH_EPS = 1e-8
 
@@ -107,13 +108,7 @@ def _routing_attention_kernel(h_ptr, pad_ptr, z_ptr, out_ptr, S, D, K,
         h = tl.load(h_ptr + g * stride_hg + offs_s[:, None] * stride_hs + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
         logits = tl.dot(z, tl.trans(h), input_precision=PRECISION)  # (BLOCK_K, BLOCK_S), unscaled
-        logits = tl.where(keep[None, :], logits, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(logits, 1))
-        rescale = tl.exp(run_max - new_max)
-        p = tl.exp(logits - new_max[:, None])
-        run_sum = run_sum * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(h.dtype), h, input_precision=PRECISION)
-        run_max = new_max
+        run_max, run_sum, acc = online_softmax_update(logits, keep, h, run_max, run_sum, acc, PRECISION)
     out = acc / run_sum[:, None]
     tl.store(out_ptr + g * stride_og + offs_k[:, None] * stride_ok + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])

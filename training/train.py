@@ -136,32 +136,30 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.out / "state"
         resuming = (self.state_dir / "optimizer.safetensors").exists()
-        self.data_cfg = DataConfig(task="translate" if args.dataset == "multi30k" else "summarize",
-                                   dataset=args.dataset, src_lang=args.src, tgt_lang=args.tgt,
-                                   vocab_size=args.vocab_size, max_src_len=args.max_src_len,
-                                   max_tgt_len=args.max_tgt_len)
-        if args.dataset != "multi30k":
-            self.data_cfg.src_lang = self.data_cfg.tgt_lang = "en"
-        train = load_examples(args.dataset, "train", self.data_cfg.src_lang, self.data_cfg.tgt_lang)
-        if args.train_limit:
-            train = train[: args.train_limit]
-        self.valid = load_examples(args.dataset, VALID_SPLIT[args.dataset], self.data_cfg.src_lang,
-                                   self.data_cfg.tgt_lang)
-        if args.valid_limit:
-            self.valid = self.valid[: args.valid_limit]
-
-        base_cfg, record = None, {}
-        if resuming:  # the run's own config and vocabulary
+        base_cfg, record, parent = None, {}, None
+        if resuming:  # the run's own config, data and vocabulary
             saved = Checkpoint.load(self.out)
-            base_cfg, record = saved.model, saved.training
-            self.spm_bytes = (self.out / ck.SPM).read_bytes()
-        elif args.init_from:  # continued learning keeps the parent's vocabulary
+            base_cfg, record, self.data_cfg = saved.model, saved.training, saved.data
+        elif args.init_from:  # continued learning keeps the parent's data and vocabulary
             parent = Checkpoint.load(args.init_from)
             base_cfg = parent.model
-            self.data_cfg = replace(parent.data, max_src_len=args.max_src_len, max_tgt_len=args.max_tgt_len)
-            self.spm_bytes = (args.init_from / ck.SPM).read_bytes()
+            self.data_cfg = parent.data
             record["init_from"] = {"path": str(args.init_from), "steps": parent.training.get("steps"),
                                    "wall_minutes": parent.training.get("wall_minutes")}
+        else:
+            summarize = args.dataset != "multi30k"
+            self.data_cfg = DataConfig(task="summarize" if summarize else "translate", dataset=args.dataset,
+                                       src_lang="en" if summarize else args.src,
+                                       tgt_lang="en" if summarize else args.tgt, vocab_size=args.vocab_size,
+                                       max_src_len=args.max_src_len, max_tgt_len=args.max_tgt_len)
+        data = self.data_cfg
+        train = load_examples(data.dataset, "train", data.src_lang, data.tgt_lang)[: args.train_limit or None]
+        self.valid = load_examples(data.dataset, VALID_SPLIT[data.dataset], data.src_lang,
+                                   data.tgt_lang)[: args.valid_limit or None]
+        if resuming:
+            self.spm_bytes = (self.out / ck.SPM).read_bytes()
+        elif parent is not None:
+            self.spm_bytes = (args.init_from / ck.SPM).read_bytes()
         else:
             texts = [e.source for e in train] + [e.target for e in train]  # joint vocabulary
             self.spm_bytes = train_sentencepiece(texts, args.vocab_size)
@@ -170,14 +168,14 @@ class Trainer:
         self.model = Seq2Seq(cfg)
         self.ckpt = Checkpoint(cfg, self.data_cfg, record)
 
-        src = [encode_source(self.sp, e.source, args.max_src_len) for e in train]
-        tgt = [encode_target(self.sp, e.target, args.max_tgt_len) for e in train]
+        src = [encode_source(self.sp, e.source, data.max_src_len) for e in train]
+        tgt = [encode_target(self.sp, e.target, data.max_tgt_len) for e in train]
         self.src_tags = self.valid_tags = None
         if cfg.pos_tags:
             from .pos_tags import tag_corpus  # slow to import: only for POS models
 
-            self.src_tags = align_tags(tag_corpus([e.source for e in train], self.data_cfg.src_lang, self.sp), src)
-            self.valid_tags = tag_corpus([e.source for e in self.valid], self.data_cfg.src_lang, self.sp)
+            self.src_tags = align_tags(tag_corpus([e.source for e in train], data.src_lang, self.sp), src)
+            self.valid_tags = tag_corpus([e.source for e in self.valid], data.src_lang, self.sp)
         self.batcher = TokenBatcher(src, tgt, args.batch_tokens, seed=args.seed, tags=self.src_tags)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9)
         self.step, self.epoch, self.batch_in_epoch, self.best = 0, 0, 0, -1.0
@@ -223,7 +221,7 @@ class Trainer:
     def validate(self, model: Seq2Seq) -> dict:
         model.eval()
         hyps = corpus_translate(model, self.sp, [e.source for e in self.valid], beam=1,
-                                max_src_len=self.args.max_src_len, tags=self.valid_tags)
+                                max_src_len=self.data_cfg.max_src_len, tags=self.valid_tags)
         refs = [e.refs for e in self.valid]
         if self.data_cfg.task == "translate":
             result = {"bleu": bleu(hyps, refs)}
