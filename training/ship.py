@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command
         f"layers, {m.vocab_size} joint SentencePiece pieces trained on the training split).",
         "",
         f"- Training: {tr.get('steps')} steps, {tr.get('wall_minutes')} minutes of training wall time on "
-        f"{torch.get_num_threads()} CPU threads; selected checkpoint: {tr.get('selected')} "
+        f"{tr.get('args', {}).get('threads')} CPU threads (log: `train_log.jsonl`); selected checkpoint: {tr.get('selected')} "
         f"(validation {json.dumps(tr.get('best_valid'))}, greedy).",
         "- Weights: fp16 safetensors (`model.safetensors`), `config.json`, `spm.model`.",
         "",
@@ -105,6 +106,8 @@ def main(argv=None):
     save_checkpoint(args.out, model, ckpt, sp.serialized_model_proto(), dtype=torch.float16)
     shipped, _, _ = load_checkpoint(args.out)  # measure what we ship: the fp16 weights
     metrics = evaluate(shipped, sp, ckpt, args.beam)
+    if (args.checkpoint / "log.jsonl").exists():
+        shutil.copy(args.checkpoint / "log.jsonl", args.out / "train_log.jsonl")
     (args.out / "metrics.json").write_text(json.dumps({"beam": args.beam, "splits": metrics}, indent=2) + "\n")
     command = train_command(ckpt.training.get("args", {}))
     (args.out / "README.md").write_text(model_card(args.out.name, ckpt, model.num_parameters(), metrics,

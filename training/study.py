@@ -1,0 +1,157 @@
+"""The ablation study: evaluate systems against a control in one run, then render docs/RESULTS.md.
+
+python -m training.study evaluate --name translation --control runs/A --systems runs/B runs/C
+python -m training.study report            # every docs/results/*.json -> docs/RESULTS.md
+
+All systems are decoded in the same process with the same settings (beam, threads), so the
+speed column is a ratio measured side by side, and significance is a paired bootstrap against
+the control on the same sentences."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint
+from .data import PROJECT_ROOT, load_examples
+from .decode import corpus_translate
+from .metrics import bleu, chrf, paired_bootstrap, rouge
+
+RESULTS_DIR = PROJECT_ROOT / "docs" / "results"
+TEST_SPLITS = {"multi30k": ("test_2016_flickr", "test_2017_flickr"), "gigaword": ("valid",), "aeslc": ("dev",)}
+
+
+def dataset_of(path: Path) -> str:
+    return json.loads((path / "config.json").read_text())["data"]["dataset"]
+
+
+def describe(cfg) -> dict:
+    return {"capsule": cfg.capsule, "aggregate": cfg.aggregate, "gate": cfg.gate, "multiview": cfg.multiview,
+            "pe_k": cfg.pe_k, "pos_tags": cfg.pos_tags, "encoder": cfg.encoder,
+            "graph": f"{cfg.graph_fusion}{'+half' if cfg.graph_half_dim else ''}" if cfg.encoder == "graph" else None}
+
+
+def decode_system(path: Path, splits: tuple[str, ...], beam: int) -> dict:
+    model, ckpt, sp = load_checkpoint(path)
+    data = ckpt.data
+    out = {"name": path.name, "checkpoint": str(path), "parameters": model.num_parameters(),
+           "arch": describe(ckpt.model), "steps": ckpt.training.get("steps"),
+           "init_from": ckpt.training.get("init_from"), "splits": {}, "hyps": {}}
+    for split in splits:
+        examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
+        start = time.perf_counter()
+        hyps = corpus_translate(model, sp, [e.source for e in examples], beam=beam,
+                                max_src_len=data.max_src_len, src_lang=data.src_lang)
+        seconds = time.perf_counter() - start
+        out["hyps"][split] = hyps
+        out["splits"][split] = {"decode_seconds": round(seconds, 2),
+                                "sentences_per_s": round(len(examples) / seconds, 2)}
+    return out, data
+
+
+def evaluate(name: str, control: Path, systems: list[Path], beam: int, threads: int, samples: int) -> Path:
+    torch.set_num_threads(threads)
+    results, data = [], None
+    for path in [control] + systems:
+        result, data = decode_system(path, TEST_SPLITS[dataset_of(path)], beam)
+        results.append(result)
+    translate = data.task == "translate"
+    metric_names = ("bleu", "chrf") if translate else ("rouge1", "rouge2", "rougeL")
+    base = results[0]
+    for split in TEST_SPLITS[data.dataset]:
+        examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
+        refs = [e.refs for e in examples]
+        for r in results:
+            row = r["splits"][split]
+            hyps = r["hyps"][split]
+            row.update({"bleu": bleu(hyps, refs), "chrf": chrf(hyps, refs)} if translate else rouge(hyps, refs))
+            row["speed_vs_control"] = round(row["sentences_per_s"] / base["splits"][split]["sentences_per_s"], 3)
+            if r is not base:
+                row["significance"] = {m: paired_bootstrap(base["hyps"][split], hyps, refs, m, samples=samples)
+                                       for m in metric_names}
+    for r in results:
+        r.pop("hyps")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=PROJECT_ROOT).stdout.strip()
+    payload = {"name": name, "task": data.task, "dataset": data.dataset, "direction": f"{data.src_lang}-{data.tgt_lang}",
+               "settings": {"beam": beam, "threads": threads, "bootstrap_samples": samples, "commit": commit,
+                            "torch": torch.__version__, "machine": platform.machine()},
+               "control": results[0]["name"], "systems": results}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def _mark(flag) -> str:
+    return "✓" if flag else ""
+
+
+def render(payload: dict) -> list[str]:
+    translate = payload["task"] == "translate"
+    splits = list(payload["systems"][0]["splits"])
+    metrics = ("bleu", "chrf") if translate else ("rouge1", "rouge2", "rougeL")
+    head = ["system", "capsule", "aggregate", "gate", "other", "params", "steps"]
+    for split in splits:
+        head += [f"{m} {split}" for m in metrics] + [f"Δ{metrics[0]} (p)"]
+    head += ["speed ×"]
+    lines = [f"## {payload['name']} — {payload['dataset']} {payload['direction']}", "",
+             f"Control: `{payload['control']}`. Beam {payload['settings']['beam']}, "
+             f"{payload['settings']['threads']} threads, commit {payload['settings']['commit']}; Δ and p from a "
+             f"paired bootstrap ({payload['settings']['bootstrap_samples']} samples, one-sided: p = share of samples "
+             "where the system does not beat the control). Speed: sentences/s relative to the control, "
+             f"decoded in the same run on `{splits[0]}`.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in payload["systems"]:
+        a = s["arch"]
+        other = ", ".join(x for x in (
+            f"multi-view {a['multiview']}" if a["multiview"] else "", f"mvPE k={a['pe_k']}" if a["pe_k"] != 1 else "",
+            "POS" if a["pos_tags"] else "", f"graph {a['graph']}" if a["graph"] else "") if x)
+        row = [f"`{s['name']}`", _mark(a["capsule"]), _mark(a["aggregate"]), _mark(a["gate"]), other,
+               f"{s['parameters'] / 1e6:.2f}M", str(s["steps"])]
+        for split in splits:
+            r = s["splits"][split]
+            row += [f"{r[m]:.2f}" for m in metrics]
+            sig = r.get("significance", {}).get(metrics[0])
+            row.append(f"{sig['delta']:+.2f} ({sig['p_value']:.3f})" if sig else "—")
+        row.append(f"{s['splits'][splits[0]]['speed_vs_control']:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def report() -> Path:
+    lines = ["# Results", "",
+             "Generated by `python -m training.study report` from `docs/results/*.json`; each JSON was written by "
+             "`python -m training.study evaluate` (its command is in `docs/results/COMMANDS.md`). No number here is "
+             "typed by hand.", ""]
+    for path in sorted(RESULTS_DIR.glob("*.json")):
+        lines += render(json.loads(path.read_text()))
+    out = PROJECT_ROOT / "docs" / "RESULTS.md"
+    out.write_text("\n".join(lines))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    ev = sub.add_parser("evaluate")
+    ev.add_argument("--name", required=True)
+    ev.add_argument("--control", required=True, type=Path)
+    ev.add_argument("--systems", nargs="+", type=Path, required=True)
+    ev.add_argument("--beam", type=int, default=4)
+    ev.add_argument("--threads", type=int, default=2)
+    ev.add_argument("--samples", type=int, default=1000)
+    sub.add_parser("report")
+    args = p.parse_args(argv)
+    if args.command == "evaluate":
+        print(evaluate(args.name, args.control, args.systems, args.beam, args.threads, args.samples))
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
