@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.data import (BOS, EOS, PAD, TokenBatcher, align_tags, encode_source, encode_target,
-                           load_examples, load_sentencepiece, source_batches, train_sentencepiece)
+from training.data import (BOS, EOS, PAD, Example, TokenBatcher, align_tags, encode_source, encode_target,
+                           length_filter, load_examples, load_sentencepiece, source_batches, train_sentencepiece)
 
 
 def test_multi30k_splits_have_their_documented_sizes_in_every_direction():
@@ -75,3 +75,10 @@ def test_inference_batches_are_length_sorted_and_cover_every_source():
 def test_tags_align_with_truncated_sources_and_eos_gets_pad():
     assert align_tags([[4, 5, 6]], [[10, 11, EOS]]) == [[4, 5, 0]]
     assert align_tags([[4]], [[10, 11, EOS]]) == [[4, 0, 0]]
+
+
+def test_length_filter_drops_long_pairs_but_truncates_long_summarisation_sources(sp):
+    short, long_ = "Ein Hund.", "Ein Hund läuft über die große grüne Wiese. " * 20
+    pairs = [Example(short, ["A dog."]), Example(long_, ["A dog."]), Example(short, [long_])]
+    assert length_filter(pairs, sp, 32, 32, truncate_source=False) == pairs[:1]
+    assert length_filter(pairs, sp, 32, 32, truncate_source=True) == pairs[:2]

@@ -86,6 +86,14 @@ def encode_source(sp, text: str, max_len: int) -> list[int]:
     return sp.encode(text)[: max_len - 1] + [EOS]
 
 
+def length_filter(examples: list[Example], sp, max_src_len: int, max_tgt_len: int,
+                  truncate_source: bool) -> list[Example]:
+    """Training pairs that fit: over-long targets are dropped; over-long sources are dropped for
+    translation and truncated for summarisation (articles and e-mails run long; the lead matters)."""
+    return [e for e in examples if len(sp.encode(e.target)) + 2 <= max_tgt_len
+            and (truncate_source or len(sp.encode(e.source)) + 1 <= max_src_len)]
+
+
 def encode_target(sp, text: str, max_len: int) -> list[int]:
     """BOS + pieces + EOS; the model reads [:-1] and predicts [1:]."""
     return [BOS] + sp.encode(text)[: max_len - 2] + [EOS]

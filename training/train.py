@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from . import checkpoint as ck
 from .config import PRESETS, Checkpoint, DataConfig, ModelConfig
-from .data import (PAD, TokenBatcher, align_tags, encode_source, encode_target, load_examples,
+from .data import (PAD, TokenBatcher, align_tags, encode_source, encode_target, length_filter, load_examples,
                    load_sentencepiece, train_sentencepiece)
 from .decode import corpus_translate
 from .metrics import bleu, rouge
@@ -168,6 +168,8 @@ class Trainer:
         self.model = Seq2Seq(cfg)
         self.ckpt = Checkpoint(cfg, self.data_cfg, record)
 
+        kept = length_filter(train, self.sp, data.max_src_len, data.max_tgt_len, data.task == "summarize")
+        dropped, train = len(train) - len(kept), kept
         src = [encode_source(self.sp, e.source, data.max_src_len) for e in train]
         tgt = [encode_target(self.sp, e.target, data.max_tgt_len) for e in train]
         self.src_tags = self.valid_tags = None
@@ -187,7 +189,8 @@ class Trainer:
                 added = ck.warm_start(self.model, args.init_from)
                 self.ckpt.training["added_parameters"] = added
             self.log({"event": "start", "parameters": self.model.num_parameters(), "config": cfg.to_dict(),
-                      "data": asdict(self.data_cfg), "train_pairs": len(src), "args": vars(args)})
+                      "data": asdict(self.data_cfg), "train_pairs": len(src), "dropped_by_length": dropped,
+                      "args": vars(args)})
 
     # ---- persistence --------------------------------------------------------------------
     def log(self, record: dict):
