@@ -91,6 +91,12 @@ def evaluate(name: str, control: Path, systems: list[Path], beam: int, threads: 
     return path
 
 
+def steps_text(system: dict) -> str:
+    """'parent steps + own steps' for warm-started systems."""
+    parent = (system.get("init_from") or {}).get("steps")
+    return f"{parent}+{system['steps']}" if parent else str(system["steps"])
+
+
 def _mark(flag) -> str:
     return "✓" if flag else ""
 
@@ -116,7 +122,7 @@ def render(payload: dict) -> list[str]:
             f"multi-view {a['multiview']}" if a["multiview"] else "", f"mvPE k={a['pe_k']}" if a["pe_k"] != 1 else "",
             "POS" if a["pos_tags"] else "", f"graph {a['graph']}" if a["graph"] else "") if x)
         row = [f"`{s['name']}`", _mark(a["capsule"]), _mark(a["aggregate"]), _mark(a["gate"]), other,
-               f"{s['parameters'] / 1e6:.2f}M", str(s["steps"])]
+               f"{s['parameters'] / 1e6:.2f}M", steps_text(s)]
         for split in splits:
             r = s["splits"][split]
             row += [f"{r[m]:.2f}" for m in metrics]
