@@ -66,6 +66,13 @@ def memory_kv(sources: torch.Tensor, index: list[int], last: torch.Tensor | None
 
 # ---- (a) memory build: Triton ----------------------------------------------------------------
 @triton.jit
+def _memory_tile(src, last_ptr, offs_m, offs_k, ok, stride_src_r, stride_last_r):
+    """The fp32 tile g_i(S) + S_N of soft integration (rows offs_m, columns offs_k)."""
+    x = tl.load(src + offs_m[:, None] * stride_src_r + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x + tl.load(last_ptr + offs_m[:, None] * stride_last_r + offs_k[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _memory_kv_kernel(src_ptr, index_ptr, last_ptr, gamma_ptr, beta_ptr, w_ptr, bias_ptr, out_ptr,
                       ROWS, S, D, INNER, DH, EPS,
                       stride_src_v, stride_src_r, stride_last_r, stride_w_l, stride_w_n, stride_b_l,
@@ -84,16 +91,14 @@ def _memory_kv_kernel(src_ptr, index_ptr, last_ptr, gamma_ptr, beta_ptr, w_ptr, 
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             ok = m_ok[:, None] & (offs_k < D)[None, :]
-            x = tl.load(src + offs_m[:, None] * stride_src_r + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-            x += tl.load(last_ptr + offs_m[:, None] * stride_last_r + offs_k[None, :], mask=ok, other=0.0)
+            x = _memory_tile(src, last_ptr, offs_m, offs_k, ok, stride_src_r, stride_last_r)
             total += tl.sum(x, 1)
         mean = total / D
         sq = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             ok = m_ok[:, None] & (offs_k < D)[None, :]
-            x = tl.load(src + offs_m[:, None] * stride_src_r + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-            x += tl.load(last_ptr + offs_m[:, None] * stride_last_r + offs_k[None, :], mask=ok, other=0.0)
+            x = _memory_tile(src, last_ptr, offs_m, offs_k, ok, stride_src_r, stride_last_r)
             centred = tl.where(ok, x - mean[:, None], 0.0)
             sq += tl.sum(centred * centred, 1)
         rstd = 1.0 / tl.sqrt(sq / D + EPS)
@@ -103,13 +108,13 @@ def _memory_kv_kernel(src_ptr, index_ptr, last_ptr, gamma_ptr, beta_ptr, w_ptr, 
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < D
         ok = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(src + offs_m[:, None] * stride_src_r + offs_k[None, :], mask=ok, other=0.0)
         if SOFT:
-            x = x.to(tl.float32) + tl.load(last_ptr + offs_m[:, None] * stride_last_r + offs_k[None, :],
-                                           mask=ok, other=0.0).to(tl.float32)
+            x = _memory_tile(src, last_ptr, offs_m, offs_k, ok, stride_src_r, stride_last_r)
             gamma = tl.load(gamma_ptr + layer * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             beta = tl.load(beta_ptr + layer * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             x = (x - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
+        else:  # direct replacement: g_i(S) as it is
+            x = tl.load(src + offs_m[:, None] * stride_src_r + offs_k[None, :], mask=ok, other=0.0)
         w_t = tl.load(w_layer + offs_n[None, :] * stride_w_n + offs_k[:, None],  # [W_K; W_V]^T tile
                       mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += tl.dot(x.to(w_t.dtype), w_t, input_precision=PRECISION)
