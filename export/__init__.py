@@ -9,11 +9,13 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
   encoder.onnx  src_ids (batch, src_len) int64 [, src_tags (batch, src_len) int64 for POS models]
              -> src_pad (batch, src_len) bool [, global_state, gate_source (batch, D) for GRET],
                 cross_key.i / cross_value.i (batch, H, src_len, d_h) per decoder layer i
-  decoder.onnx  tokens (R,) int64, step () int64, row_sentence (R,) int64, the encoder's outputs,
-                past_key.i / past_value.i (R, H, past_len, d_h), past_len >= 0
+  decoder.onnx  tokens (R,) int64, positions (R,) int64, row_sentence (R,) int64,
+                past_pad (R, past_len) bool (True = a left-padded cache slot of a row that joined
+                late), the encoder's outputs, past_key.i / past_value.i (R, H, past_len, d_h),
+                past_len >= 0
              -> log_probs (R, V) float32, present_key.i / present_value.i (R, H, past_len + 1, d_h)
 
 Modules: spec.py (what the graphs hold), graphs.py (the PyTorch modules that are traced),
 onnx_export.py (trace + check), quantize.py, manifest.py (model.json), repository.py (assembles
-a repository), onnx_runtime.py (the ONNX Runtime backend: encode / decode_step / reorder).
+a repository), onnx_runtime.py (the ONNX Runtime backend: encode / decode_step / step / reorder).
 """

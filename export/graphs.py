@@ -4,14 +4,17 @@ by one rather than Seq2Seq.encode / decode_step, which take the step as a Python
 dispatch to fused kernels whose eager code is not written for tracing; the parity tests in
 tests/test_export.py hold the two forms together.
 
-The decoder step takes a `row_sentence` index (R,) instead of a beam size: row r reads the
-per-sentence tensors of sentence row_sentence[r]. That generalises `row // beam` to any mix of
-beam sizes in one batch (continuous batching). The encoder output stays one entry per sentence
-between steps; the price is paid inside each step, which gathers the cross-attention K/V into
-per-row copies (index_select): per step N_dec * 2 * R * S * D floats written and read back by
-the attention, where a beam-grouped kernel reads B * S * D per layer and tensor. Example, the
-small preset (N_dec 3, D 256) with R = 128 rows and S = 30: 23.6 MB written per step. The
-gathers of src_pad, s^M and Gs are negligible beside it.
+The decoder step is written for continuous batching: rows may belong to sentences that joined
+the batch at different steps and use different beam sizes.
+- `row_sentence` (R,): row r reads the per-sentence tensors of sentence row_sentence[r] (this
+  generalises `row // beam`). The encoder output stays one entry per sentence between steps; the
+  price is paid inside each step, which gathers the cross-attention K/V into per-row copies
+  (index_select): per step N_dec * 2 * R * S * D floats written and read back by the attention,
+  where a beam-grouped kernel reads B * S * D per layer and tensor. Example, the small preset
+  (N_dec 3, D 256) with R = 128 rows and S = 30: 23.6 MB written per step.
+- `positions` (R,): each row's own target position.
+- `past_pad` (R, past_len): True where a row's self-attention cache is padding. A row that joined
+  late has a shorter history; its cache is left-padded to the batch's past length.
 """
 from __future__ import annotations
 
@@ -45,15 +48,16 @@ class EncoderGraph(nn.Module):
 
 
 class DecoderGraph(nn.Module):
-    """One step: (tokens, step, row_sentence, per-sentence tensors, past K/V per layer)
-    -> log_probs (R, V), present K/V per layer (R, H, past_len + 1, d_h)."""
+    """One step: (tokens, positions, row_sentence, past_pad, per-sentence tensors, past K/V per
+    layer) -> log_probs (R, V), present K/V per layer (R, H, past_len + 1, d_h). Also the PyTorch
+    backend of the server, run eagerly."""
 
     def __init__(self, model: Seq2Seq):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens: torch.Tensor, step: torch.Tensor, row_sentence: torch.Tensor,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+                past_pad: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.model
         n_layers = m.cfg.dec_layers
         enc = unflatten_state(m.cfg, tensors[: -2 * n_layers])
@@ -62,13 +66,12 @@ class DecoderGraph(nn.Module):
         # One transposed copy of the tied embedding serves both the lookup and the output
         # projection; Seq2Seq.output's F.linear would leave a second (V, D) copy in the file.
         table = m.embed.weight.t()  # (D, V)
-        # Seq2Seq.embed_tokens slices its position table with a Python int; a traced graph needs
-        # the step as a tensor, so the position is gathered instead.
-        position = m.positions.index_select(0, step.reshape(1))
+        position = m.positions.index_select(0, positions)[:, None]  # (R, 1, D)
         x = table.index_select(1, tokens).t()[:, None] * math.sqrt(m.cfg.d_model) + position  # (R, 1, D)
+        self_pad = torch.cat([past_pad, torch.zeros_like(tokens, dtype=torch.bool)[:, None]], 1)  # new key: never padding
         present = []
         for i, (layer, memory) in enumerate(zip(m.decoder, rows.memory)):
-            x, (k, v) = layer_step(layer, x, memory, rows.src_pad, past[2 * i], past[2 * i + 1])
+            x, (k, v) = layer_step(layer, x, memory, rows.src_pad, past[2 * i], past[2 * i + 1], self_pad)
             present += [k, v]
         r = m.dec_norm(x[:, 0])  # Seq2Seq.output with beam = 1, on per-row GRET tensors
         if rows.global_state is not None and m.context_gate is not None:
@@ -91,7 +94,7 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
 
 
 def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, key_pad: torch.Tensor, past_k: torch.Tensor,
-               past_v: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               past_v: torch.Tensor, self_pad: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """DecoderLayer.forward for one new position with a cache, stated again from the layer's own
     parts: forward() derives its causal flag from a shape, which the tracer turns into a tensor.
     The parity tests hold the two together."""
@@ -100,7 +103,7 @@ def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, key_pad: torch.Tens
     def self_attention(h):
         k, v = layer.self_attn.keys_values(h)
         present.extend([torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)])
-        return layer.self_attn.attend(layer.self_attn.split(layer.self_attn.q(h)), *present)
+        return layer.self_attn.attend(layer.self_attn.split(layer.self_attn.q(h)), *present, key_pad=self_pad)
 
     def cross_attention(h):
         return layer.cross_attn.attend(layer.cross_attn.split(layer.cross_attn.q(h)), *memory, key_pad=key_pad)

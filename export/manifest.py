@@ -1,9 +1,10 @@
 """model.json: what a model repository holds, written by the exporter and read by the runtime.
 
 Contract (DESIGN.md, "Model repository"): name, version, task, source/target language, an
-architecture summary, the backend, every file with its sha256, the ONNX opset and graph
-signatures, and the metrics the checkpoint recorded. `model_config` is the full ModelConfig, so
-a backend needs nothing from the checkpoint directory.
+architecture summary, the backend ("onnx" or "ct2") with its own section (for ONNX the opset and
+graph signatures, for CT2 its version and model folders), every file with its sha256 (paths
+relative to the repository, "/"-separated), and the metrics the checkpoint recorded.
+`model_config` is the full ModelConfig, so a backend needs nothing from the checkpoint directory.
 """
 from __future__ import annotations
 
@@ -67,15 +68,24 @@ def signature(spec: GraphSpec) -> dict:
     return {"inputs": tensors(spec.inputs), "outputs": tensors(spec.outputs)}
 
 
+def onnx_section(specs: tuple[GraphSpec, ...], precisions: dict[str, dict[str, str]]) -> dict:
+    """precisions: {"fp32": {"encoder": file, "decoder": file}, "int8": {...}}."""
+    return {"opset": OPSET, "precisions": precisions, "graphs": {s.name: signature(s) for s in specs}}
+
+
+def list_files(directory: Path) -> dict[str, dict]:
+    """Every file under `directory` (subfolders included) but model.json, with its sha256."""
+    directory = Path(directory)
+    paths = sorted(p for p in directory.rglob("*") if p.is_file() and p != directory / MANIFEST)
+    return {p.relative_to(directory).as_posix(): {"sha256": sha256(p), "bytes": p.stat().st_size} for p in paths}
+
+
 def build_manifest(*, name: str, version: str, ckpt: Checkpoint, checkpoint_dir: Path, n_parameters: int,
-                   specs: tuple[GraphSpec, ...], precisions: dict[str, dict[str, str]], directory: Path,
-                   tools: dict[str, str]) -> dict:
-    """precisions: {"fp32": {"encoder": file, "decoder": file}, "int8": {...}}; every file present in
-    `directory` is listed with its sha256."""
+                   backend: str, backend_section: dict, directory: Path, tools: dict[str, str]) -> dict:
+    """backend_section goes under the key `backend` (onnx_section for "onnx"); every file present
+    in `directory` is listed with its sha256."""
     if ckpt.data.task not in TASKS:
         raise ValueError(f"task {ckpt.data.task!r} is not one of {TASKS}")
-    files = {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size}
-             for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST}
     return {
         "format_version": FORMAT_VERSION,
         "name": name,
@@ -83,13 +93,13 @@ def build_manifest(*, name: str, version: str, ckpt: Checkpoint, checkpoint_dir:
         "task": ckpt.data.task,
         "source_language": ckpt.data.src_lang,
         "target_language": ckpt.data.tgt_lang,
-        "backend": "onnx",
+        "backend": backend,
         "architecture": architecture_summary(ckpt.model, n_parameters),
         "model_config": ckpt.model.to_dict(),
         "tokenizer": {"type": "sentencepiece", "file": "spm.model", "max_src_len": ckpt.data.max_src_len,
                       "max_tgt_len": ckpt.data.max_tgt_len},
-        "onnx": {"opset": OPSET, "precisions": precisions, "graphs": {s.name: signature(s) for s in specs}},
-        "files": files,
+        backend: backend_section,
+        "files": list_files(directory),
         "metrics": recorded_metrics(ckpt, checkpoint_dir),
         "exported_with": tools,
     }

@@ -44,8 +44,11 @@ def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     tokens = torch.full((SAMPLE_ROWS,), cfg.bos_id)
     row_sentence = torch.tensor([0, 1, 1])  # unequal beams: nothing may assume rows = batch * beam
+    positions = torch.tensor([SAMPLE_PAST, SAMPLE_PAST, 1])  # rows that joined at different steps
+    past_pad = torch.zeros(SAMPLE_ROWS, SAMPLE_PAST, dtype=torch.bool)
+    past_pad[2, : SAMPLE_PAST - 1] = True  # ... so the late row's cache is left-padded
     past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_PAST, d_head) for _ in range(2 * cfg.dec_layers)]
-    return (tokens, torch.tensor(SAMPLE_PAST), row_sentence, *per_sentence, *past)
+    return (tokens, positions, row_sentence, past_pad, *per_sentence, *past)
 
 
 def _export(module: torch.nn.Module, args: tuple, spec: GraphSpec, path: Path) -> None:

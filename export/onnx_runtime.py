@@ -103,15 +103,24 @@ class OnnxModel:
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list | None, beam: int = 1,
                     row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
-        """As Seq2Seq.decode_step. Rows read sentence row // beam, or row_sentence[row] when given
-        (any mix of beam sizes). cache None = the first step: an empty past (length 0)."""
+        """As Seq2Seq.decode_step: every row at the same step, rows read sentence row // beam, or
+        row_sentence[row] when given (any mix of beam sizes). cache None = the first step."""
         rows = tokens.shape[0]
         if row_sentence is None:
             row_sentence = torch.arange(rows, device=tokens.device) // beam
         if cache is None:
             empty = torch.empty(rows, self.n_heads, 0, self.d_head, device=self.device)
             cache = [(empty, empty)] * self.cfg.dec_layers
-        inputs = {"tokens": tokens, "step": torch.tensor(step), "row_sentence": row_sentence}
+        positions = torch.full((rows,), step, dtype=torch.long)
+        past_pad = torch.zeros(rows, cache[0][0].shape[2], dtype=torch.bool)
+        return self.step(tokens, positions, row_sentence, past_pad, enc, cache)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+             past_pad: torch.Tensor, enc: EncoderState, cache: list) -> tuple[torch.Tensor, list]:
+        """One decoder step for rows at their own positions (continuous batching): see
+        export/graphs.py. Returns log-probabilities (R, V) and the cache grown by one column."""
+        rows = tokens.shape[0]
+        inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence, "past_pad": past_pad}
         inputs |= dict(zip([t.name for t in self.encoder.spec.outputs], flatten_state(enc)))
         for i, (k, v) in enumerate(cache):
             inputs |= dict(zip(past_names(i), (k, v)))

@@ -1,12 +1,20 @@
 """Checkpoint directory -> model repository (models/<name>/): model.json, spm.model and the
 backend's files. The repository is assembled in a temporary folder beside the target and moved
-into place at the end, so a failed export never leaves a half-written repository."""
+into place at the end, so a failed export never leaves a half-written repository.
+
+Backends:
+  onnx  encoder.onnx + decoder.onnx (+ encoder.int8.onnx + decoder.int8.onnx with --quantize int8)
+  ct2   ct2/ (model.bin, config.json, shared_vocabulary.json), + ct2.int8/ with --quantize int8:
+        a second CT2 folder whose weights the converter stored as int8, so the file that was
+        measured is the file that is served and the fp32 folder stays there as the reference.
+        Vanilla and mvPE models only (export/ct2_export.py says why the others are refused)."""
 from __future__ import annotations
 
 import shutil
 import tempfile
 from pathlib import Path
 
+import ctranslate2
 import onnx
 import onnxruntime
 import torch
@@ -14,12 +22,14 @@ import torch
 from training.checkpoint import SPM, WEIGHTS, load_checkpoint
 from training.config import Checkpoint
 
-from .manifest import build_manifest, sha256, write_manifest
+from .ct2_export import check_ct2_compatible, export_ct2
+from .manifest import build_manifest, onnx_section, sha256, write_manifest
 from .onnx_export import export_onnx
 from .quantize import QUANTIZATIONS, quantize_int8, quantized_name
 from .spec import model_specs
 
-FORMATS = ("onnx",)
+FORMATS = ("onnx", "ct2")
+CT2_FOLDERS = {"fp32": "ct2", "int8": "ct2.int8"}  # precision -> folder in the repository
 CHECKPOINT_FILES = ("config.json", WEIGHTS, SPM)
 
 
@@ -49,24 +59,20 @@ def write_repository(checkpoint: Path, out: Path, *, fmt: str = "onnx", quantize
     check_checkpoint(checkpoint)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise RepositoryError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    model, ckpt, _ = load_checkpoint(checkpoint)
+    model, ckpt, sp = load_checkpoint(checkpoint)
+    if fmt == "ct2":
+        check_ct2_compatible(ckpt.model)  # before any work: the refusal says why and what to use
     weights_sha = sha256(checkpoint / WEIGHTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        paths = export_onnx(model, staging)
-        precisions = {"fp32": {g: p.name for g, p in paths.items()}}
-        if quantize:
-            precisions[quantize] = {}
-            for graph, path in paths.items():
-                target = quantized_name(path, quantize)
-                quantize_int8(path, target)
-                precisions[quantize][graph] = target.name
+        write_backend = _write_ct2 if fmt == "ct2" else _write_onnx
+        section, tools = write_backend(model, sp, staging, quantize)
         shutil.copyfile(checkpoint / SPM, staging / SPM)
         manifest = build_manifest(
             name=name or out.name, version=version or weights_sha[:12], ckpt=ckpt, checkpoint_dir=checkpoint,
-            n_parameters=model.num_parameters(), specs=model_specs(ckpt.model), precisions=precisions,
-            directory=staging, tools=_tools())
+            n_parameters=model.num_parameters(), backend=fmt, backend_section=section, directory=staging,
+            tools=tools)
         manifest["source_checkpoint"] = {"weights_sha256": weights_sha, "training": _training_record(ckpt)}
         write_manifest(staging, manifest)
         if out.exists():
@@ -78,10 +84,30 @@ def write_repository(checkpoint: Path, out: Path, *, fmt: str = "onnx", quantize
     return manifest
 
 
+def _write_onnx(model, sp, staging: Path, quantize: str | None) -> tuple[dict, dict]:
+    paths = export_onnx(model, staging)
+    precisions = {"fp32": {g: p.name for g, p in paths.items()}}
+    if quantize:
+        precisions[quantize] = {}
+        for graph, path in paths.items():
+            target = quantized_name(path, quantize)
+            quantize_int8(path, target)
+            precisions[quantize][graph] = target.name
+    tools = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    return onnx_section(model_specs(model.cfg), precisions), tools
+
+
+def _write_ct2(model, sp, staging: Path, quantize: str | None) -> tuple[dict, dict]:
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    precisions = {"fp32": CT2_FOLDERS["fp32"]}
+    export_ct2(model, pieces, staging / CT2_FOLDERS["fp32"])
+    if quantize:
+        precisions[quantize] = CT2_FOLDERS[quantize]
+        export_ct2(model, pieces, staging / CT2_FOLDERS[quantize], quantize)
+    section = {"version": ctranslate2.__version__, "spec": "TransformerSpec", "precisions": precisions}
+    return section, {"torch": torch.__version__, "ctranslate2": ctranslate2.__version__}
+
+
 def _training_record(ckpt: Checkpoint) -> dict:
     tr = ckpt.training
     return {k: tr.get(k) for k in ("steps", "wall_minutes", "train_pairs") if k in tr}
-
-
-def _tools() -> dict[str, str]:
-    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}

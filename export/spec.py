@@ -88,8 +88,9 @@ def encoder_spec(cfg: ModelConfig) -> GraphSpec:
 def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     inputs = [TensorSpec("tokens", "int64", ("rows",)),
-              TensorSpec("step", "int64", ()),
-              TensorSpec("row_sentence", "int64", ("rows",))]
+              TensorSpec("positions", "int64", ("rows",)),
+              TensorSpec("row_sentence", "int64", ("rows",)),
+              TensorSpec("past_pad", "bool", ("rows", "past_len"))]
     inputs += _per_sentence(cfg)
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
     for i in range(cfg.dec_layers):

@@ -95,6 +95,36 @@ def test_rows_may_mix_beam_sizes_without_tiling_the_encoder_output(tmp_path, spm
             torch.testing.assert_close(log_probs[mine], ref_log_probs, **TOLERANCE)
 
 
+def test_a_sentence_may_join_the_batch_later_with_a_left_padded_cache(tmp_path, spm_bytes):
+    """Continuous batching: sentence 1 joins at step 2 next to sentence 0. Its cache is padded on
+    the left and masked by past_pad, its rows carry their own positions, and each sentence's
+    log-probabilities are those of decoding it alone."""
+    model, onnx_model = export_tiny("gret_full", tmp_path, spm_bytes)
+    src, _ = random_batch(model.cfg, [6, 4])
+    enc = onnx_model.encode(src)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(4, model.cfg.vocab_size, (4,), generator=g)
+    alone = [model.encode(src[i: i + 1]) for i in range(2)]
+    ref_cache = [None, None]
+    cache = None
+    for step in range(4):  # sentence 0 is at position `step`, sentence 1 at `step - 2`
+        joined = step >= 2
+        rows = torch.tensor([0, 1]) if joined else torch.tensor([0])
+        positions = torch.tensor([step, step - 2]) if joined else torch.tensor([step])
+        if cache is None:
+            empty = torch.empty(1, model.cfg.n_heads, 0, model.cfg.d_model // model.cfg.n_heads)
+            cache, past_pad = [(empty, empty)] * model.cfg.dec_layers, torch.zeros(1, 0, dtype=torch.bool)
+        if step == 2:  # sentence 1 arrives: an all-padding cache row, zeros for its keys/values
+            cache = [(torch.cat([k, torch.zeros_like(k)]), torch.cat([v, torch.zeros_like(v)])) for k, v in cache]
+            past_pad = torch.cat([past_pad, torch.ones_like(past_pad)])
+        log_probs, cache = onnx_model.step(tokens[rows], positions, rows, past_pad, enc, cache)
+        past_pad = torch.cat([past_pad, torch.zeros(len(rows), 1, dtype=torch.bool)], 1)
+        for row, sentence in enumerate(rows.tolist()):
+            ref, ref_cache[sentence] = model.decode_step(tokens[sentence: sentence + 1], int(positions[row]),
+                                                         alone[sentence], ref_cache[sentence])
+            torch.testing.assert_close(log_probs[row: row + 1], ref, **TOLERANCE)
+
+
 def test_first_step_has_an_empty_past_and_the_past_axis_is_dynamic(tmp_path, spm_bytes):
     model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
     graph = onnx.load(str(tmp_path / "repo" / "decoder.onnx")).graph

@@ -1,0 +1,156 @@
+"""Seq2Seq -> CTranslate2 model folder, through CTranslate2's declarative TransformerSpec.
+
+Only models that CT2's Transformer can express are converted: vanilla (pre- or post-norm) and
+mvPE, whose positions are just a different fixed table. Every weight comes from our checkpoint:
+QKV are fused as CT2 expects, the embedding matrix is shared by encoder, decoder and output
+projection, and our own position table is written explicitly, because CT2's built-in sinusoid
+differs from ours (concatenated [sin | cos] halves, positions counted from 1, another frequency
+spacing). The spec is validated (every declared weight set) before anything is written.
+
+The folder holds model.bin, config.json and shared_vocabulary.json: our SentencePiece pieces in
+id order, so a CT2 token index is our token id.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from ctranslate2.specs import transformer_spec as ct2
+
+from training.config import ModelConfig
+from training.data import UNK
+from training.model import Seq2Seq
+
+WEIGHT_QUANTIZATION = {"int8": "int8"}  # our --quantize name -> CT2's weight quantization
+VOCABULARY = "shared_vocabulary.json"
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default; CT2 would otherwise use its own
+
+
+class Ct2ExportError(ValueError):
+    pass
+
+
+def unsupported_switches(cfg: ModelConfig) -> list[str]:
+    """One reason per switch of `cfg` that CT2's Transformer has no place for."""
+    reasons = []
+    gret = [k for k in ("capsule", "aggregate", "gate") if getattr(cfg, k)]
+    if gret:
+        reasons.append(f"GRET ({'+'.join(gret)}): CT2's decoder has no global sentence state added to its "
+                       "output and no context gate")
+    if cfg.multiview:
+        reasons.append(f"multi-view decoding ({cfg.multiview}): every CT2 decoder layer attends to the last "
+                       "encoder layer only, not to per-layer encoder views")
+    if cfg.encoder == "graph":
+        reasons.append("Graph-Transformer encoder: CT2's encoder layers are plain self-attention + feed-forward, "
+                       "with no graph attention or fusion gate")
+    if cfg.pos_tags:
+        reasons.append("POS-tag embeddings: CT2 adds positions after merging source factors and has no input "
+                       "projection, while this model adds positions to the word embedding only")
+    return reasons
+
+
+def check_ct2_compatible(cfg: ModelConfig) -> None:
+    reasons = unsupported_switches(cfg)
+    if reasons:
+        raise Ct2ExportError("cannot export to CTranslate2: " + "; ".join(reasons)
+                             + ". Use --format onnx, which runs every architecture.")
+
+
+class _Weights:
+    """The state dict as float32 numpy arrays; remembers what was taken so leftovers are errors."""
+
+    def __init__(self, model: Seq2Seq):
+        self.arrays = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+        self.taken: set[str] = set()
+
+    def __call__(self, *names: str) -> np.ndarray:
+        self.taken.update(names)
+        return np.ascontiguousarray(np.concatenate([self.arrays[n] for n in names]))
+
+    def check_all_taken(self) -> None:
+        left = sorted(set(self.arrays) - self.taken)
+        if left:
+            raise Ct2ExportError(f"the CT2 spec has no place for {left}")
+
+
+def _linear(spec, w: _Weights, *prefixes: str) -> None:
+    """Several of our Linears as one CT2 linear (rows stacked: fused Q|K|V or K|V)."""
+    spec.weight = w(*(f"{p}.weight" for p in prefixes))
+    spec.bias = w(*(f"{p}.bias" for p in prefixes))
+
+
+def _layer_norm(spec, w: _Weights, prefix: str) -> None:
+    spec.gamma, spec.beta = w(f"{prefix}.weight"), w(f"{prefix}.bias")
+
+
+def _ffn(spec, w: _Weights, prefix: str, norm: str) -> None:
+    _linear(spec.linear_0, w, f"{prefix}.ffn.w1")
+    _linear(spec.linear_1, w, f"{prefix}.ffn.w2")
+    _layer_norm(spec.layer_norm, w, f"{prefix}.{norm}.norm")
+
+
+def transformer_spec(model: Seq2Seq, pieces: list[str]) -> ct2.TransformerSpec:
+    """The filled and validated spec; `pieces` are the SentencePiece pieces in id order."""
+    cfg = model.cfg
+    check_ct2_compatible(cfg)
+    if len(pieces) != cfg.vocab_size:
+        raise Ct2ExportError(f"the SentencePiece model has {len(pieces)} pieces, the model {cfg.vocab_size} ids")
+    encoder = ct2.TransformerEncoderSpec(cfg.enc_layers, cfg.n_heads, pre_norm=cfg.pre_norm)
+    decoder = ct2.TransformerDecoderSpec(cfg.dec_layers, cfg.n_heads, pre_norm=cfg.pre_norm)
+    spec = ct2.TransformerSpec(encoder, decoder)
+    w = _Weights(model)
+    embedding = w("embed.weight")  # tied: source, target and output projection
+    positions = model.positions.numpy().astype(np.float32)  # our table, mvPE's k included
+
+    encoder.embeddings[0].weight = embedding
+    encoder.position_encodings.encodings = positions
+    for i, layer in enumerate(encoder.layer):
+        p = f"encoder.layers.{i}"
+        _linear(layer.self_attention.linear[0], w, f"{p}.self_attn.q", f"{p}.self_attn.k", f"{p}.self_attn.v")
+        _linear(layer.self_attention.linear[1], w, f"{p}.self_attn.o")
+        _layer_norm(layer.self_attention.layer_norm, w, f"{p}.res_attn.norm")
+        _ffn(layer.ffn, w, p, "res_ffn")
+    if cfg.pre_norm:
+        _layer_norm(encoder.layer_norm, w, "encoder.norm")
+
+    decoder.embeddings.weight = embedding
+    decoder.position_encodings.encodings = positions
+    decoder.projection.weight = embedding
+    for i, layer in enumerate(decoder.layer):
+        p = f"decoder.{i}"
+        _linear(layer.self_attention.linear[0], w, f"{p}.self_attn.q", f"{p}.self_attn.k", f"{p}.self_attn.v")
+        _linear(layer.self_attention.linear[1], w, f"{p}.self_attn.o")
+        _layer_norm(layer.self_attention.layer_norm, w, f"{p}.res_self.norm")
+        _linear(layer.attention.linear[0], w, f"{p}.cross_attn.q")
+        _linear(layer.attention.linear[1], w, f"{p}.cross_attn.k", f"{p}.cross_attn.v")
+        _linear(layer.attention.linear[2], w, f"{p}.cross_attn.o")
+        _layer_norm(layer.attention.layer_norm, w, f"{p}.res_cross.norm")
+        _ffn(layer.ffn, w, p, "res_ffn")
+    if cfg.pre_norm:
+        _layer_norm(decoder.layer_norm, w, "dec_norm")
+    w.check_all_taken()
+
+    config = spec.config
+    config.layer_norm_epsilon = LAYER_NORM_EPS
+    config.unk_token = pieces[UNK]
+    config.bos_token = config.decoder_start_token = pieces[cfg.bos_id]
+    config.eos_token = pieces[cfg.eos_id]
+    # The source already ends with EOS (training.data.encode_source); CT2 must add nothing.
+    config.add_source_bos = config.add_source_eos = False
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    spec.validate()
+    return spec
+
+
+def export_ct2(model: Seq2Seq, pieces: list[str], folder: Path, quantize: str | None = None) -> Path:
+    """Writes the CT2 model folder; with quantize="int8" its weights are stored as int8 (CT2's
+    converter quantization: one scale per output row)."""
+    if quantize is not None and quantize not in WEIGHT_QUANTIZATION:
+        raise Ct2ExportError(f"unknown quantization {quantize!r}: choose from {', '.join(WEIGHT_QUANTIZATION)}")
+    spec = transformer_spec(model, pieces)
+    spec.optimize(quantization=WEIGHT_QUANTIZATION.get(quantize))  # also aliases the three tied embeddings
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=False)
+    spec.save(str(folder))
+    return folder

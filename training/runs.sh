@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every long training run behind docs/RESULTS.md and models/, in order, in two lanes that can run
+# side by side on a 2-core machine (one thread each):
+#
+#   bash training/runs.sh study   # Multi30K de->en ablation study
+#   bash training/runs.sh ship    # summarisation baselines + study, en->de
+#
+# Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
+# from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
+# control continues the unchanged baseline for the same EXTRA steps. Variants that change the
+# embeddings or the encoder (mvPE, POS tags, Graph-Transformer) cannot start from the baseline:
+# they train from scratch for baseline + EXTRA steps, the control's total.
+#
+# A finished run is skipped; an interrupted one resumes exactly (training.train's state/).
+# Output: runs/NAME/ (checkpoint + log.jsonl) and runs/NAME.out (progress).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+THREADS=${THREADS:-1}
+EXTRA=800          # extra steps of every continued run
+DEEN_BASE=1850     # steps of models/multi30k-de-en (see its model card)
+SUM_BASE=1500      # steps of the summarisation baselines
+
+run() {  # run NAME STEPS ARGS...: train runs/NAME to STEPS steps unless it is already there
+  local name=$1 steps=$2; shift 2
+  if grep -qs "\"event\": \"done\", \"step\": $steps," "runs/$name/log.jsonl"; then
+    echo "$name: done"; return
+  fi
+  echo "$name: training to $steps steps ($(date -u +%H:%M))"
+  mkdir -p runs
+  $PY -m training.train --out "runs/$name" --max-steps "$steps" --threads "$THREADS" "$@" >>"runs/$name.out" 2>&1
+}
+
+continued() {  # continued NAME BASE ARGS...: EXTRA steps warm-started from checkpoint BASE
+  local name=$1 base=$2; shift 2
+  run "$name" "$EXTRA" --init-from "$base" --lr 5e-4 --warmup 200 --batch-tokens 3000 --eval-every 200 \
+    --average-last 3 "$@"
+}
+
+study() {
+  local deen="--dropout 0.1"
+  continued deen-control models/multi30k-de-en $deen
+  continued deen-gret-full models/multi30k-de-en $deen --gret full
+  continued deen-gret-capsule models/multi30k-de-en $deen --gret capsule
+  continued deen-gret-capsule-aggregate models/multi30k-de-en $deen --gret capsule,aggregate
+  continued deen-gret-capsule-gate models/multi30k-de-en $deen --gret capsule,gate
+  continued deen-multiview-gca models/multi30k-de-en $deen --multiview gca
+  continued deen-multiview-ama models/multi30k-de-en $deen --multiview ama
+  local scratch="--batch-tokens 3000 --dropout 0.1 --eval-every 500"
+  run deen-mvpe $((DEEN_BASE + EXTRA)) $scratch --mvpe
+  run deen-mvpe-pos $((DEEN_BASE + EXTRA)) $scratch --mvpe --pos-tags
+  run deen-graph $((DEEN_BASE + EXTRA)) $scratch --encoder graph --graph-half-dim --graph-fusion weight_gate
+}
+
+ship() {
+  local giga="--dataset gigaword --dropout 0.3"
+  run giga-vanilla $SUM_BASE $giga --batch-tokens 3000 --eval-every 250
+  continued giga-control runs/giga-vanilla $giga
+  continued giga-gret-full runs/giga-vanilla $giga --gret full
+  run ende-vanilla 2000 --src en --tgt de --batch-tokens 3000 --dropout 0.1 --eval-every 500
+  local aeslc="--dataset aeslc --dropout 0.3"
+  run aeslc-vanilla $SUM_BASE $aeslc --batch-tokens 3000 --eval-every 250
+  continued aeslc-control runs/aeslc-vanilla $aeslc
+  continued aeslc-gret-full runs/aeslc-vanilla $aeslc --gret full
+}
+
+case "${1:-}" in
+  study) study ;;
+  ship) ship ;;
+  *) echo "usage: $0 study|ship" >&2; exit 2 ;;
+esac
