@@ -1,11 +1,11 @@
-# The two commands of the README: `make demo` (the main job) and `make test`.
+# The two commands of the README: `make serve` (the main job) and `make test`.
 # Both do all set-up on a fresh machine: a virtualenv with the pinned dependencies.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: setup test demo clean
+.PHONY: setup test serve demo proto clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,16 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# Serve every model under models/ over gRPC (50051) with metrics on 9090. Shipped checkpoints are
+# exported to ONNX and verified on first start (cached in ~/.cache/gret-serve); ARGS adds flags,
+# e.g. make serve ARGS="--port 50052 --batching request".
+serve: setup
+	$(PY) -m server $(ARGS)
+
+# proto/*_pb2*.py from proto/gret_serve.proto (tests/test_proto.py checks they are current).
+proto: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/gret_serve.proto
 
 # Translate a few Multi30K test sentences with the shipped de->en model
 # (trained here first if models/ does not have it).

@@ -1,0 +1,35 @@
+"""python -m server [--config server.yaml] [--port 50051] [--models-dir models] ... (--help lists all)
+
+Serves every model under models/ (shipped checkpoints are exported to ONNX on first start)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from . import config as server_config
+from .models import ModelError
+
+
+def main(argv=None) -> int:
+    config, prepare_only = server_config.load(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .app import App  # after logging is set up: loading models logs
+    from .metrics import Metrics
+    from .registry import Registry
+
+    metrics = Metrics()
+    try:
+        registry = Registry.load(config, metrics)
+    except ModelError as e:
+        logging.getLogger("server").error("cannot start: %s", e)
+        return 1
+    if prepare_only:
+        print("prepared: " + ", ".join(f"{p.entry.name} ({p.entry.version})" for p in registry))
+        return 0
+    asyncio.run(App(config, registry, metrics).serve_forever())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Wiring: the gRPC server (service + health + reflection, auth, TLS, message limits), the
+metrics endpoint, the engines, and graceful shutdown.
+
+Shutdown on SIGTERM/SIGINT: health goes NOT_SERVING first (load balancers stop sending), new
+calls get UNAVAILABLE, in-flight calls finish within `grace_seconds`, then the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import gret_serve_pb2 as pb
+from proto import gret_serve_pb2_grpc as pb_grpc
+
+from .config import ServerConfig
+from .metrics import Metrics
+from .registry import Registry
+from .service import InferenceService
+
+log = logging.getLogger("server")
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class BearerToken(grpc.aio.ServerInterceptor):
+    """Every call but health checks must carry `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self.deny = deny
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(f"/{HEALTH}/"):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self.expected:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self.deny)
+        if handler.unary_stream:
+            async def deny_stream(request, context):
+                await self.deny(request, context)
+                yield  # pragma: no cover - abort raises
+            return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.stream_stream_rpc_method_handler(self.deny) if handler.stream_stream else \
+            grpc.stream_unary_rpc_method_handler(self.deny)
+
+
+class App:
+    def __init__(self, config: ServerConfig, registry: Registry | None = None, metrics: Metrics | None = None):
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.registry = registry or Registry.load(config, self.metrics)
+        self.service = InferenceService(self.registry, self.metrics, log_text=config.log_level == "debug")
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.metrics_http = None
+        self.port = config.port
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Starts everything; returns the bound gRPC port (config port 0 picks a free one)."""
+        c = self.config
+        limit = c.max_message_mb << 20
+        interceptors = [BearerToken(c.token())] if c.token() else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        pb_grpc.add_InferenceServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([SERVICE, HEALTH, reflection.SERVICE_NAME], self.server)
+        address = f"{c.host}:{c.port}"
+        if c.tls_cert:
+            credentials = grpc.ssl_server_credentials([(open(c.tls_key, "rb").read(), open(c.tls_cert, "rb").read())])
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        self.registry.start()
+        await self.server.start()
+        if c.metrics_port:
+            self.metrics_http = self.metrics.serve(c.metrics_port, c.host)
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d (metrics on %s)", ", ".join(p.entry.name for p in self.registry), c.host,
+                 self.port, c.metrics_port or "off")
+        return self.port
+
+    async def shutdown(self) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.config.grace_seconds
+        log.info("shutting down: draining for up to %.0f s", grace)
+        await self.health.enter_graceful_shutdown()
+        self.service.draining = True
+        self.registry.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while not self.registry.idle() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(max(0.0, deadline - loop.time()))
+        self.registry.stop()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+        log.info("stopped")
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.shutdown()

@@ -1,0 +1,50 @@
+"""Backends of the stepping engine, behind one small interface:
+
+    cfg                                   the ModelConfig
+    encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
+    step(tokens, positions, row_sentence, past_pad, enc, cache)
+                                          -> log-probabilities (R, V), cache grown by one column
+
+ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
+modules, eager; on CUDA its encoder runs the Triton kernels through kernels.dispatch). Their step
+is the same function, export/graphs.DecoderGraph, traced for one and called for the other.
+CTranslate2 batches whole requests itself and is served by server/ct2_engine.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from export.graphs import DecoderGraph, flatten_state
+from export.onnx_runtime import OnnxModel
+from training.model import EncoderState, Seq2Seq
+
+BACKENDS = ("onnx", "torch", "ct2")
+
+
+class TorchBackend:
+    def __init__(self, model: Seq2Seq, threads: int | None = None):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.decoder = DecoderGraph(model)
+        if threads:
+            torch.set_num_threads(threads)
+
+    @torch.no_grad()
+    def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
+        return self.model.encode(src, src_tags)
+
+    @torch.no_grad()
+    def step(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache) -> tuple[torch.Tensor, list]:
+        past = [t for kv in cache for t in kv]
+        out = self.decoder(tokens, positions, row_sentence, past_pad, *flatten_state(enc), *past)
+        present = out[1:]
+        return out[0], [(present[2 * i], present[2 * i + 1]) for i in range(self.cfg.dec_layers)]
+
+
+class OnnxBackend(OnnxModel):
+    """export.onnx_runtime.OnnxModel already has the interface."""
+
+    def __init__(self, repository: Path, precision: str = "fp32", threads: int = 1):
+        super().__init__(repository, precision=precision, threads=threads)

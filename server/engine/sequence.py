@@ -1,0 +1,65 @@
+"""One source text in the engine: its input, options, search results and timings.
+
+A Sequence is created by the service, waits in the scheduler, then lives in the running batch
+as 1..beam rows until it finishes. `on_done` is called exactly once, from the engine thread,
+with the sequence itself: status "ok" (hypotheses filled), or an error status and message."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .options import DecodingOptions
+
+_ids = itertools.count()
+
+OK, CANCELLED, DEADLINE, UNAVAILABLE, FAILED = "ok", "cancelled", "deadline_exceeded", "unavailable", "failed"
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without BOS/EOS
+    score: float  # log P / length ** length_penalty (length counts EOS)
+    log_prob: float
+
+
+@dataclass(eq=False)
+class Sequence:
+    src: list[int]  # source piece ids, EOS included
+    options: DecodingOptions
+    max_len: int  # output tokens the search may generate (EOS included)
+    on_done: Callable[["Sequence"], None]
+    tags: list[int] | None = None  # source POS-tag ids for POS models
+    deadline: float | None = None  # time.monotonic() value
+    id: int = field(default_factory=lambda: next(_ids))
+    # search state
+    step: int = 0  # tokens generated so far by every live beam
+    finished: list[Hypothesis] = field(default_factory=list)
+    cancelled: bool = False  # set from another thread; the engine drops the rows at its next step
+    # outcome
+    status: str | None = None
+    message: str = ""
+    hypotheses: list[Hypothesis] = field(default_factory=list)
+    # timings (time.monotonic): created, admitted into the batch, encoded, done
+    created: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    encoded: float | None = None
+    done: float | None = None
+    cache_hit: bool = False
+
+    @property
+    def rows_budget(self) -> int:
+        """What admission charges: beam x (source + output tokens)."""
+        return self.options.beam * (len(self.src) + self.max_len)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def finish(self, status: str, message: str = "") -> None:
+        if self.status is not None:
+            return
+        self.status, self.message, self.done = status, message, time.monotonic()
+        if status == OK:
+            self.hypotheses = sorted(self.finished, key=lambda h: -h.score)[: self.options.n_best]
+        self.on_done(self)

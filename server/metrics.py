@@ -1,0 +1,109 @@
+"""Prometheus metrics, served on their own port. Labels carry model names, methods and status
+codes only: never request text."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .engine.engine import Observer
+from .engine.sequence import OK, Sequence
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("gret_serve_requests", "Calls by model, method and gRPC status code",
+                                ["model", "method", "code"], registry=r)
+        self.request_seconds = Histogram("gret_serve_request_seconds", "Call latency, end to end",
+                                         ["model", "method"], buckets=LATENCY, registry=r)
+        self.queue_seconds = Histogram("gret_serve_queue_seconds", "Per text: waiting before admission",
+                                       ["model"], buckets=LATENCY, registry=r)
+        self.encode_seconds = Histogram("gret_serve_encode_seconds", "Per admitted group: the encoder pass",
+                                        ["model"], buckets=LATENCY, registry=r)
+        self.decode_seconds = Histogram("gret_serve_decode_seconds", "Per text: from encoded to finished",
+                                        ["model"], buckets=LATENCY, registry=r)
+        self.text_seconds = Histogram("gret_serve_text_seconds", "Per text: from queued to finished",
+                                      ["model"], buckets=LATENCY, registry=r)
+        self.step_seconds = Histogram("gret_serve_step_seconds", "One decoder step of the running batch",
+                                      ["model"], buckets=LATENCY, registry=r)
+        self.rows_per_step = Histogram("gret_serve_rows_per_step", "Rows (beams of all texts) per decoder step",
+                                       ["model"], buckets=ROWS, registry=r)
+        self.batch_rows = Gauge("gret_serve_batch_rows", "Rows in the last decoder step", ["model"], registry=r)
+        self.decoded_rows = Counter("gret_serve_decoded_rows", "Rows run through the decoder (one token each)",
+                                    ["model"], registry=r)
+        self.generated_tokens = Counter("gret_serve_generated_tokens", "Output tokens of the returned best hypotheses",
+                                        ["model"], registry=r)
+        self.texts = Counter("gret_serve_texts", "Texts finished, by outcome", ["model", "status"], registry=r)
+        self.queue_depth = Gauge("gret_serve_queue_depth", "Texts waiting for admission", ["model"], registry=r)
+        self.model_info = Gauge("gret_serve_model_info", "Loaded models (value 1)",
+                                ["model", "version", "task", "backend", "precision", "architecture"], registry=r)
+        self._caches: dict[str, object] = {}
+        r.register(_CacheCollector(self._caches))
+
+    def observer(self, model: str) -> Observer:
+        return _ModelObserver(self, model)
+
+    def add_model(self, pipeline) -> None:
+        e = pipeline.entry
+        self.model_info.labels(e.name, e.version, e.task, pipeline.backend, pipeline.precision, e.architecture).set(1)
+        self._caches[e.name] = pipeline.engine.cache
+
+    def serve(self, port: int, host: str = "0.0.0.0"):
+        """Starts the HTTP exporter on a daemon thread; returns the HTTP server (for shutdown)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+
+class _ModelObserver(Observer):
+    def __init__(self, m: Metrics, model: str):
+        self.m, self.model = m, model
+
+    def queue_depth(self, n: int) -> None:
+        self.m.queue_depth.labels(self.model).set(n)
+
+    def encoded(self, n_sequences: int, seconds: float) -> None:
+        self.m.encode_seconds.labels(self.model).observe(seconds)
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        self.m.step_seconds.labels(self.model).observe(seconds)
+        self.m.rows_per_step.labels(self.model).observe(rows)
+        self.m.batch_rows.labels(self.model).set(rows)
+        self.m.decoded_rows.labels(self.model).inc(rows)
+
+    def finished(self, seq: Sequence) -> None:
+        m, model = self.m, self.model
+        m.texts.labels(model, seq.status).inc()
+        if seq.admitted is not None:
+            m.queue_seconds.labels(model).observe(seq.admitted - seq.created)
+        if seq.status == OK:
+            m.decode_seconds.labels(model).observe(seq.done - seq.encoded)
+            m.text_seconds.labels(model).observe(seq.done - seq.created)
+            if seq.hypotheses:
+                m.generated_tokens.labels(model).inc(len(seq.hypotheses[0].tokens))
+
+
+class _CacheCollector:
+    """The encoder caches' own counters, read at scrape time."""
+
+    def __init__(self, caches: dict):
+        self.caches = caches
+
+    def collect(self):
+        families = {
+            "hits": CounterMetricFamily("gret_serve_encoder_cache_hits", "Sources found in the encoder cache",
+                                        labels=["model"]),
+            "misses": CounterMetricFamily("gret_serve_encoder_cache_misses", "Sources the encoder had to run on",
+                                          labels=["model"]),
+            "evictions": CounterMetricFamily("gret_serve_encoder_cache_evictions", "Entries evicted (LRU)",
+                                             labels=["model"]),
+            "bytes": GaugeMetricFamily("gret_serve_encoder_cache_bytes", "Bytes held by the encoder cache",
+                                       labels=["model"]),
+        }
+        for model, cache in self.caches.items():
+            stats = cache.stats()
+            for key, family in families.items():
+                family.add_metric([model], stats[key])
+        yield from families.values()

@@ -1,0 +1,141 @@
+"""A served model: texts -> engine sequences -> texts.
+
+Pipeline checks and tokenises input exactly as training did (training.data.encode_source: pieces
+then EOS; POS tags aligned to pieces for POS models), hands sequences to the model's engine and
+turns finished sequences back into text. It is used by the gRPC service and, driving the engine
+on the calling thread, by offline decoding (build verification, the engine benchmark)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from kernels.encoder_cache import EncoderCache
+from training.checkpoint import load_checkpoint
+from training.config import Checkpoint
+from training.data import EOS
+
+from .backends import OnnxBackend, TorchBackend
+from .engine.engine import Engine, Observer
+from .engine.options import DecodingOptions, Limits
+from .engine.scheduler import Scheduler
+from .engine.sequence import OK, Sequence
+from .models import ModelEntry, ModelError, from_repository
+
+log = logging.getLogger("server.pipeline")
+VERIFY_TOLERANCE = 0.5  # BLEU/ROUGE points: fp16 checkpoint -> fp32 graphs moves scores a little
+
+
+class InputError(ValueError):
+    """Bad texts (-> INVALID_ARGUMENT); the message says which text and which limit."""
+
+
+def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threads: int = 1):
+    if backend == "onnx":
+        return OnnxBackend(entry.repository, precision=precision, threads=threads)
+    if backend == "torch":
+        if entry.checkpoint is None:
+            raise ModelError(f"model {entry.name}: the torch backend needs the checkpoint, not a repository")
+        return TorchBackend(load_checkpoint(entry.checkpoint)[0], threads)
+    raise ModelError(f"unknown backend {backend!r}")
+
+
+class Pipeline:
+    def __init__(self, entry: ModelEntry, engine: Engine, limits: Limits, backend: str, precision: str):
+        self.entry, self.engine, self.limits = entry, engine, limits
+        self.backend, self.precision = backend, precision
+        self.summarize = entry.task == "summarize"
+        self._tagger = None
+
+    # ---- text -> sequences -------------------------------------------------------------------
+    def sequences(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
+                  deadline: float | None = None, truncate: bool | None = None) -> list[Sequence]:
+        """One Sequence per text, or InputError naming the first bad text. Sources longer than the
+        model's limit are refused for translation and truncated for summarisation (as in training)."""
+        limits, e = self.limits, self.entry
+        if not texts:
+            raise InputError("no texts: send at least one")
+        if len(texts) > limits.max_texts:
+            raise InputError(f"{len(texts)} texts in one call; the limit is {limits.max_texts}")
+        truncate = self.summarize if truncate is None else truncate
+        max_pieces = e.max_src_len - 1  # room for EOS
+        seqs = []
+        for i, text in enumerate(texts):
+            if not text.strip():
+                raise InputError(f"text {i} is empty or only whitespace")
+            if len(text) > limits.max_text_chars:
+                raise InputError(f"text {i} has {len(text)} characters; the limit is {limits.max_text_chars}")
+            pieces = e.sp.encode(text)
+            if len(pieces) > max_pieces and not truncate:
+                raise InputError(f"text {i} is {len(pieces)} pieces long; model {e.name} accepts at most {max_pieces}")
+            src = pieces[:max_pieces] + [EOS]
+            tags = self._tags(text, src) if e.cfg.pos_tags else None
+            limit = options.output_limit(len(src), e.cfg.max_positions - 1, limits)
+            seqs.append(Sequence(src, options, limit, on_done, tags=tags, deadline=deadline))
+        return seqs
+
+    def _tags(self, text: str, src: list[int]) -> list[int]:
+        from training.data import align_tags  # POS models only: the taggers load slowly
+        from training.pos_tags import get_tagger, subword_tags
+
+        if self._tagger is None:
+            self._tagger = get_tagger(self.entry.source_language)
+        return align_tags([subword_tags(text, self.entry.source_language, self.entry.sp, self._tagger)], [src])[0]
+
+    # ---- sequences -> text ------------------------------------------------------------------
+    def texts(self, seq: Sequence) -> list[str]:
+        return [self.entry.sp.decode(h.tokens) for h in seq.hypotheses]
+
+    def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(),
+               truncate: bool | None = None) -> list[str]:
+        """Offline: best hypothesis per text, driving the (not started) engine on this thread."""
+        seqs = self.sequences(texts, options, on_done=lambda s: None, truncate=truncate)
+        self.engine.submit(seqs)
+        self.engine.run_until_idle()
+        failed = [s for s in seqs if s.status != OK]
+        if failed:
+            raise RuntimeError(f"{len(failed)} texts failed: {failed[0].message}")
+        return [self.texts(s)[0] if s.hypotheses else "" for s in seqs]
+
+
+def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "fp32", threads: int = 1,
+                   policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
+                   cache_bytes: int = 256 << 20, limits: Limits = Limits(),
+                   observer: Observer | None = None) -> Pipeline:
+    engine = Engine(make_backend(entry, backend, precision, threads), entry.version,
+                    Scheduler(policy, max_batch_tokens, max_queue), EncoderCache(cache_bytes), observer, entry.name)
+    return Pipeline(entry, engine, limits, backend, precision)
+
+
+def verify_build(checkpoint: Path, repo: Path, threads: int = 2) -> dict:
+    """The exported repository, served by this engine, must reproduce the validation score that
+    training.ship recorded for the checkpoint (metrics.json: first split, beam 4)."""
+    from training.data import load_examples  # evaluation-only imports
+    from training.metrics import bleu, rouge
+
+    recorded_path = Path(checkpoint) / "metrics.json"
+    if not recorded_path.exists():
+        log.warning("model %s: no metrics.json, the ONNX build is not verified", checkpoint.name)
+        return {"verified": False, "reason": "the checkpoint records no metrics"}
+    recorded = json.loads(recorded_path.read_text())
+    data = Checkpoint.load(checkpoint).data
+    split, expected = next(iter(recorded["splits"].items()))
+    metric = "bleu" if data.task == "translate" else "rouge1"
+    examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
+    offline = Limits(max_texts=len(examples), max_text_chars=1 << 20)  # a whole split, long articles too
+    pipeline = build_pipeline(from_repository(repo, "onnx", checkpoint), threads=threads, limits=offline)
+    start = time.monotonic()
+    hyps = pipeline.decode([e.source for e in examples], DecodingOptions(beam=recorded.get("beam", 4)), truncate=True)
+    refs = [e.refs for e in examples]
+    measured = bleu(hyps, refs) if metric == "bleu" else rouge(hyps, refs)[metric]
+    result = {"verified": True, "split": split, "metric": metric, "recorded": expected[metric],
+              "measured": round(measured, 2), "tolerance": VERIFY_TOLERANCE,
+              "seconds": round(time.monotonic() - start, 1)}
+    log.info("model %s: ONNX build verified on %s: %s %.2f (recorded %.2f), %.0f s", checkpoint.name, split, metric,
+             result["measured"], result["recorded"], result["seconds"])
+    if abs(result["measured"] - result["recorded"]) > VERIFY_TOLERANCE:
+        raise ModelError(f"{repo}: served through ONNX the model scores {metric} {result['measured']} on {split}; "
+                         f"the checkpoint recorded {result['recorded']} (tolerance {VERIFY_TOLERANCE})")
+    return result

@@ -1,0 +1,96 @@
+"""The set of served models: loading them from the configuration, and finding the one a request
+means (by name, by language pair, or the default for a task)."""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+
+from .config import ServerConfig
+from .metrics import Metrics
+from .models import ModelError, discover, load_entry
+from .pipeline import Pipeline, build_pipeline, verify_build
+
+log = logging.getLogger("server.registry")
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+class Registry:
+    def __init__(self, pipelines: list[Pipeline]):
+        self.pipelines = {p.entry.name: p for p in pipelines}
+
+    @classmethod
+    def load(cls, config: ServerConfig, metrics: Metrics | None = None) -> "Registry":
+        """Every configured model, or ModelError naming the first that fails (with
+        skip_bad_models, bad ones are logged and skipped, as long as one model loads)."""
+        folders = discover(Path(config.models_dir), config.models or None)
+        build_cache = Path(config.build_cache) if config.build_cache else None
+        verify = partial(verify_build, threads=config.threads) if config.verify_build else None
+        pipelines, failures = [], []
+        for folder in folders:
+            try:
+                entry = load_entry(folder, config.backend, build_cache, verify)
+                pipeline = build_pipeline(
+                    entry, config.backend, config.precision, config.threads, config.batching,
+                    config.max_batch_tokens, config.max_queue, config.cache_mb << 20, config.limits(),
+                    metrics.observer(entry.name) if metrics else None)
+            except (ModelError, OSError, ValueError) as e:
+                if not config.skip_bad_models:
+                    raise ModelError(str(e)) from e
+                log.error("skipping model folder %s: %s", folder, e)
+                failures.append(folder)
+                continue
+            pipelines.append(pipeline)
+            log.info("loaded model %s (version %s, %s %s->%s, %s, backend %s %s)", entry.name, entry.version,
+                     entry.task, entry.source_language, entry.target_language, entry.architecture, config.backend,
+                     config.precision)
+            if metrics:
+                metrics.add_model(pipeline)
+        if not pipelines:
+            raise ModelError(f"no model could be loaded from {config.models_dir}")
+        return cls(pipelines)
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def find(self, task: str, name: str = "", source: str = "", target: str = "") -> Pipeline:
+        if name:
+            pipeline = self.pipelines.get(name)
+            if pipeline is None:
+                raise ModelNotFound(f"no model named {name!r}; loaded: {', '.join(sorted(self.pipelines))}")
+            if pipeline.entry.task != task:
+                raise ModelNotFound(f"model {name!r} does not {task} (it is a {pipeline.entry.task} model)")
+            return pipeline
+        candidates = [p for p in self.pipelines.values() if p.entry.task == task
+                      and (not source or p.entry.source_language == source)
+                      and (not target or p.entry.target_language == target)]
+        if not candidates:
+            available = sorted(f"{p.entry.source_language}->{p.entry.target_language}"
+                               for p in self.pipelines.values() if p.entry.task == task)
+            wanted = f" {source or '*'}->{target or '*'}" if source or target else ""
+            raise ModelNotFound(f"no {task} model{wanted}; available: {', '.join(available) or 'none'}")
+        return min(candidates, key=lambda p: p.entry.name)  # deterministic: the first by name
+
+    def is_default(self, pipeline: Pipeline) -> bool:
+        e = pipeline.entry
+        return self.find(e.task, source=e.source_language, target=e.target_language) is pipeline
+
+    def __iter__(self):
+        return iter(self.pipelines.values())
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        for p in self:
+            p.engine.start()
+
+    def drain(self) -> None:
+        for p in self:
+            p.engine.drain()
+
+    def idle(self) -> bool:
+        return all(p.engine.idle() for p in self)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for p in self:
+            p.engine.stop(timeout)

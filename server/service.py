@@ -1,0 +1,199 @@
+"""The gRPC service (proto/gret_serve.proto) on grpc.aio.
+
+A call becomes one Sequence per text in its model's engine; the handler awaits them. Each
+sequence's on_done runs on the engine thread and only hands the result to the event loop. A
+client that cancels, or a deadline that passes, marks the sequences so the engine drops their
+rows at its next step. Status codes: INVALID_ARGUMENT (texts, options), NOT_FOUND (model),
+RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED, CANCELLED; INTERNAL
+only when decoding itself failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from proto import gret_serve_pb2 as pb
+from proto import gret_serve_pb2_grpc as pb_grpc
+
+from .engine.engine import Draining
+from .engine.options import DecodingOptions, OptionError
+from .engine.scheduler import QueueFull
+from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
+from .metrics import Metrics
+from .pipeline import InputError, Pipeline
+from .registry import ModelNotFound, Registry
+
+log = logging.getLogger("server.service")
+
+FAILURE_CODES = {DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED, CANCELLED: grpc.StatusCode.CANCELLED,
+                 UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
+
+
+class CallError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def decoding_options(msg: pb.DecodingOptions) -> DecodingOptions:
+    """Proto options -> DecodingOptions; unset fields keep the defaults."""
+    fields = {"beam_size": "beam", "length_penalty": "length_penalty", "max_length": "max_length",
+              "max_length_ratio": "max_len_a", "max_length_offset": "max_len_b", "min_length": "min_length",
+              "n_best": "n_best", "no_repeat_ngram_size": "no_repeat_ngram"}
+    values = {ours: getattr(msg, theirs) for theirs, ours in fields.items() if msg.HasField(theirs)}
+    return DecodingOptions(**values, return_scores=msg.return_scores, diagnostics=msg.return_diagnostics)
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, registry: Registry, metrics: Metrics, log_text: bool = False):
+        self.registry, self.metrics, self.log_text = registry, metrics, log_text
+        self.draining = False
+
+    # ---- RPCs -------------------------------------------------------------------------------------
+    async def Translate(self, request, context):
+        return await self._unary("Translate", "translate", request, context,
+                                 request.source_language, request.target_language)
+
+    async def Summarize(self, request, context):
+        return await self._unary("Summarize", "summarize", request, context)
+
+    async def TranslateStream(self, request, context):
+        async for response in self._stream("TranslateStream", "translate", request, context,
+                                           request.source_language, request.target_language):
+            yield response
+
+    async def SummarizeStream(self, request, context):
+        async for response in self._stream("SummarizeStream", "summarize", request, context):
+            yield response
+
+    async def ListModels(self, request, context):
+        models = []
+        for p in self.registry:
+            e = p.entry
+            models.append(pb.ModelInfo(name=e.name, version=e.version, task=e.task, source_language=e.source_language,
+                                       target_language=e.target_language, architecture=e.architecture,
+                                       backend=p.backend, precision=p.precision, parameters=e.parameters,
+                                       is_default=self.registry.is_default(p)))
+        self.metrics.requests.labels("", "ListModels", "OK").inc()
+        return pb.ListModelsResponse(models=models)
+
+    # ---- one call -----------------------------------------------------------------------------
+    async def _unary(self, method, task, request, context, source="", target=""):
+        start, model = time.monotonic(), request.model
+        try:
+            pipeline, seqs, done = await self._submit(task, request, context, source, target)
+            model = pipeline.entry.name
+            try:
+                await asyncio.gather(*done)
+            except asyncio.CancelledError:
+                self._cancel(pipeline, seqs)
+                raise
+            self._raise_failures(seqs)
+            response = pb.GenerateResponse(model=model, model_version=pipeline.entry.version,
+                                           results=[self._result(pipeline, i, s) for i, s in enumerate(seqs)])
+        except CallError as e:
+            self._count(model, method, e.code, start)
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            self._count(model, method, grpc.StatusCode.CANCELLED, start)
+            raise
+        self._count(model, method, grpc.StatusCode.OK, start)
+        return response
+
+    async def _stream(self, method, task, request, context, source="", target=""):
+        start, model = time.monotonic(), request.model
+        try:
+            pipeline, seqs, done = await self._submit(task, request, context, source, target)
+            model = pipeline.entry.name
+            index = {id(f): i for i, f in enumerate(done)}
+            pending = set(done)
+            try:
+                while pending:
+                    finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for f in sorted(finished, key=lambda f: index[id(f)]):
+                        i = index[id(f)]
+                        self._raise_failures([seqs[i]])
+                        yield pb.GenerateResponse(model=model, model_version=pipeline.entry.version,
+                                                  results=[self._result(pipeline, i, seqs[i])])
+            except (asyncio.CancelledError, CallError):
+                self._cancel(pipeline, seqs)
+                raise
+        except CallError as e:
+            self._count(model, method, e.code, start)
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            self._count(model, method, grpc.StatusCode.CANCELLED, start)
+            raise
+        self._count(model, method, grpc.StatusCode.OK, start)
+
+    async def _submit(self, task, request, context, source, target):
+        if self.draining:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        try:
+            pipeline = self.registry.find(task, request.model, source, target)
+        except ModelNotFound as e:
+            raise CallError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        try:
+            options = decoding_options(request.options).check(pipeline.limits)
+        except OptionError as e:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        loop = asyncio.get_running_loop()
+        texts = list(request.texts)
+        futures = [loop.create_future() for _ in texts]
+        by_seq = {}
+
+        def on_done(seq: Sequence) -> None:  # engine thread
+            loop.call_soon_threadsafe(_resolve, by_seq[seq.id])
+
+        try:
+            if pipeline.entry.cfg.pos_tags:  # tagging is slow: keep it off the event loop
+                seqs = await loop.run_in_executor(None, pipeline.sequences, texts, options, on_done, deadline)
+            else:
+                seqs = pipeline.sequences(texts, options, on_done, deadline)
+        except InputError as e:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        by_seq.update({s.id: f for s, f in zip(seqs, futures)})
+        if self.log_text:
+            log.debug("model %s: %d texts: %r", pipeline.entry.name, len(texts), texts)
+        try:
+            pipeline.engine.submit(seqs)
+        except QueueFull as e:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except Draining as e:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        return pipeline, seqs, futures
+
+    @staticmethod
+    def _cancel(pipeline: Pipeline, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            s.cancelled = True
+        pipeline.engine.wake()
+
+    @staticmethod
+    def _raise_failures(seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.status != OK:
+                raise CallError(FAILURE_CODES.get(s.status, grpc.StatusCode.INTERNAL), s.message)
+
+    @staticmethod
+    def _result(pipeline: Pipeline, index: int, seq: Sequence) -> pb.TextResult:
+        scores = seq.options.return_scores
+        hyps = [pb.Hypothesis(text=text, tokens=len(h.tokens), score=h.score if scores else 0.0,
+                              log_prob=h.log_prob if scores else 0.0)
+                for text, h in zip(pipeline.texts(seq), seq.hypotheses)]
+        return pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src), encoder_cache_hit=seq.cache_hit)
+
+    def _count(self, model: str, method: str, code: grpc.StatusCode, start: float) -> None:
+        self.metrics.requests.labels(model, method, code.name).inc()
+        if code == grpc.StatusCode.OK:
+            self.metrics.request_seconds.labels(model, method).observe(time.monotonic() - start)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

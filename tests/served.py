@@ -1,0 +1,60 @@
+"""Tiny models trained on real data inside the test run, laid out as a models directory the way
+models/ is (checkpoints, and one exported repository), and a real server on loopback."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from pathlib import Path
+
+from export.__main__ import main as export_main
+from server.app import App
+from server.config import ServerConfig
+from server.metrics import Metrics
+from server.registry import Registry
+from training import train
+
+TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "600", "--lr", "5e-3", "--warmup", "10",
+        "--label-smoothing", "0", "--dropout", "0", "--threads", "1", "--log-every", "100"]
+
+
+def train_models(root: Path) -> Path:
+    """root/models: de-en (GRET, exported ONNX repository), en-de (vanilla checkpoint: the server
+    exports it on first start), gigaword (summariser checkpoint)."""
+    runs, models = root / "runs", root / "models"
+    train.main(["--out", str(runs / "de-en"), *TINY, "--gret", "full", "--train-limit", "60", "--valid-limit", "4",
+                "--max-steps", "60", "--eval-every", "60"])
+    export_main(["--checkpoint", str(runs / "de-en"), "--out", str(models / "tiny-de-en"), "--quantize", "int8"])
+    train.main(["--out", str(models / "tiny-en-de"), *TINY, "--src", "en", "--tgt", "de", "--train-limit", "60",
+                "--valid-limit", "4", "--max-steps", "30", "--eval-every", "30"])
+    train.main(["--out", str(models / "tiny-headlines"), *TINY, "--dataset", "gigaword", "--train-limit", "60",
+                "--valid-limit", "4", "--max-steps", "30", "--eval-every", "30", "--max-src-len", "64"])
+    return models
+
+
+class RunningServer:
+    """App on its own event loop thread, bound to a free loopback port."""
+
+    def __init__(self, config: ServerConfig):
+        self.metrics = Metrics()
+        self.registry = Registry.load(config, self.metrics)
+        self.app = App(config, self.registry, self.metrics)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self.call(self.app.start())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def call(self, coroutine, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self.app.shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def config_for(models_dir: Path, cache: Path, **overrides) -> ServerConfig:
+    return ServerConfig(**{"models_dir": str(models_dir), "host": "127.0.0.1", "port": 0, "metrics_port": 0,
+                           "threads": 1, "build_cache": str(cache), "grace_seconds": 5.0, **overrides}).check()

@@ -1,0 +1,195 @@
+"""The continuous-batching engine: whatever joins the batch when, with whatever options, each
+text gets exactly what the offline beam search (training.search) gives it alone; cancelled and
+expired texts leave the batch at the next step; the encoder cache skips repeated sources."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kernels.encoder_cache import EncoderCache
+from server.backends import TorchBackend
+from server.engine.batch import banned_tokens
+from server.engine.engine import Draining, Engine
+from server.engine.options import DecodingOptions, Limits, OptionError
+from server.engine.scheduler import QueueFull, Scheduler
+from server.engine.sequence import CANCELLED, DEADLINE, OK, Sequence
+from tests.architectures import perturb, random_batch, tiny_config
+from training import search
+from training.model import Seq2Seq
+
+torch.set_num_threads(1)
+LIMITS = Limits()
+
+
+def tiny_model(name: str = "gret_full") -> Seq2Seq:
+    torch.manual_seed(0)
+    return perturb(Seq2Seq(tiny_config(name)))
+
+
+def sources(model, lengths, seed=0) -> list[list[int]]:
+    src, _ = random_batch(model.cfg, lengths, seed)
+    return [row[row.ne(model.cfg.pad_id)].tolist() for row in src]
+
+
+def make_seq(model, src, options=DecodingOptions(), **kw) -> Sequence:
+    limit = options.output_limit(len(src), model.cfg.max_positions - 1, LIMITS)
+    return Sequence(src, options, limit, on_done=lambda s: None, **kw)
+
+
+def offline(model, src, options: DecodingOptions) -> list[search.Hypothesis]:
+    """training.search.beam_search on this one sentence: the reference answer."""
+    return search.beam_search(model, torch.tensor([src]), beam=options.beam, length_penalty=options.length_penalty,
+                              max_len_a=options.max_len_a, max_len_b=options.max_len_b, n_best=options.n_best)[0]
+
+
+def engine_for(model, policy="continuous", **kw) -> Engine:
+    return Engine(TorchBackend(model), "v1", Scheduler(policy, **kw), EncoderCache(1 << 24))
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca", "mvpe"])
+def test_texts_joining_at_different_steps_get_their_offline_beam_search_results(name):
+    model = tiny_model(name)
+    srcs = sources(model, [7, 3, 9, 5, 6])
+    options = [DecodingOptions(beam=4), DecodingOptions(beam=2), DecodingOptions(beam=1),
+               DecodingOptions(beam=3, length_penalty=0.6, n_best=3), DecodingOptions(beam=5, max_len_b=4)]
+    engine = engine_for(model)
+    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
+    engine.submit(seqs[:2])
+    engine.iterate()
+    engine.iterate()
+    engine.submit(seqs[2:4])  # join a batch two steps in
+    engine.iterate()
+    engine.submit(seqs[4:])
+    engine.run_until_idle()
+    for seq, src, opt in zip(seqs, srcs, options):
+        assert seq.status == OK
+        expected = offline(model, src, opt)
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in expected]
+        assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
+
+
+def test_batching_policies_give_identical_outputs():
+    model = tiny_model()
+    srcs = sources(model, [7, 3, 9, 5], seed=1)
+    outputs = {}
+    for policy in ("continuous", "request", "none"):
+        engine = engine_for(model, policy)
+        seqs = [make_seq(model, s) for s in srcs]
+        engine.submit(seqs)
+        engine.run_until_idle()
+        outputs[policy] = [[h.tokens for h in s.hypotheses] for s in seqs]
+    assert outputs["continuous"] == outputs["request"] == outputs["none"]
+
+
+def test_min_length_and_no_repeat_ngram_constrain_the_output():
+    model = tiny_model()
+    src = sources(model, [6], seed=2)[0]
+    engine = engine_for(model)
+    short = make_seq(model, src, DecodingOptions(beam=2, min_length=12, max_len_b=20))
+    no_repeat = make_seq(model, src, DecodingOptions(beam=2, no_repeat_ngram=2, max_len_b=30))
+    engine.submit([short, no_repeat])
+    engine.run_until_idle()
+    assert len(short.hypotheses[0].tokens) >= 12
+    tokens = no_repeat.hypotheses[0].tokens
+    bigrams = list(zip(tokens, tokens[1:]))
+    assert len(bigrams) == len(set(bigrams))
+
+
+def test_banned_tokens_complete_an_earlier_ngram():
+    assert sorted(banned_tokens([5, 6, 7, 5, 6], 3)) == [7]
+    assert banned_tokens([5, 6, 7], 3) == []
+    assert sorted(banned_tokens([5, 6, 5], 1)) == [5, 5, 6]
+
+
+def test_a_cancelled_text_leaves_the_batch_at_the_next_step_and_others_are_unaffected():
+    model = tiny_model()
+    srcs = sources(model, [8, 8, 8], seed=3)
+    engine = engine_for(model)
+    seqs = [make_seq(model, s, DecodingOptions(beam=4, max_len_b=40)) for s in srcs]
+    engine.submit(seqs)
+    engine.iterate()
+    engine.iterate()
+    rows_before = engine.batch.rows
+    seqs[1].cancelled = True
+    engine.iterate()
+    assert seqs[1].status == CANCELLED
+    assert seqs[1] not in engine.batch.seqs
+    assert engine.batch.rows <= rows_before - 1  # its rows are gone (others may shrink too)
+    engine.run_until_idle()
+    for i in (0, 2):
+        assert [h.tokens for h in seqs[i].hypotheses] == [h.tokens for h in offline(model, srcs[i], seqs[i].options)]
+
+
+def test_an_expired_deadline_fails_the_text_waiting_or_running():
+    model = tiny_model()
+    srcs = sources(model, [5, 5], seed=4)
+    engine = engine_for(model)
+    running = make_seq(model, srcs[0], deadline=time.monotonic() + 3600)
+    engine.submit([running])
+    engine.iterate()
+    running.deadline = time.monotonic() - 1
+    waiting = make_seq(model, srcs[1], deadline=time.monotonic() - 1)
+    engine.submit([waiting])
+    engine.iterate()
+    assert running.status == waiting.status == DEADLINE
+    assert engine.idle()
+
+
+def test_a_repeated_source_skips_the_encoder():
+    model = tiny_model()
+    src = sources(model, [9], seed=5)[0]
+    engine = engine_for(model)
+    first, second = make_seq(model, src), make_seq(model, src)
+    engine.submit([first])
+    engine.run_until_idle()
+    engine.submit([second])
+    engine.run_until_idle()
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert engine.cache.stats()["misses"] == 1 and engine.cache.stats()["hits"] == 1
+    assert [h.tokens for h in second.hypotheses] == [h.tokens for h in first.hypotheses]
+
+
+def test_admission_is_budgeted_in_beam_times_tokens_and_the_queue_is_bounded():
+    model = tiny_model()
+    srcs = sources(model, [5, 5, 5], seed=6)
+    seqs = [make_seq(model, s, DecodingOptions(beam=4, max_len_b=10)) for s in srcs]
+    budget = seqs[0].rows_budget * 2  # room for two at a time
+    engine = engine_for(model, max_batch_tokens=budget, max_waiting=3)
+    engine.submit(seqs)
+    engine.iterate()
+    assert len(engine.batch) == 2 and len(engine.scheduler) == 1
+    with pytest.raises(QueueFull, match="at most 3"):
+        engine.submit([make_seq(model, srcs[0]) for _ in range(3)])
+    engine.run_until_idle()
+    assert all(s.status == OK for s in seqs)
+
+
+def test_a_draining_engine_finishes_its_work_and_refuses_more():
+    model = tiny_model()
+    engine = engine_for(model).start()
+    done = []
+    seq = Sequence(sources(model, [6])[0], DecodingOptions(), 20, on_done=done.append)
+    engine.submit([seq])
+    engine.drain()
+    with pytest.raises(Draining):
+        engine.submit([make_seq(model, sources(model, [4])[0])])
+    deadline = time.monotonic() + 30
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.stop(timeout=10)
+    assert done == [seq] and seq.status == OK
+
+
+@pytest.mark.parametrize("options, message", [
+    (DecodingOptions(beam=0), "beam_size=0"),
+    (DecodingOptions(beam=2, n_best=3), "n_best=3"),
+    (DecodingOptions(max_length=100000), "max_length=100000"),
+    (DecodingOptions(min_length=10, max_length=5), "min_length=10"),
+    (DecodingOptions(no_repeat_ngram=-1), "no_repeat_ngram_size=-1"),
+    (DecodingOptions(length_penalty=float("nan")), "length_penalty=nan"),
+])
+def test_out_of_range_options_are_refused_by_name(options, message):
+    with pytest.raises(OptionError, match=message):
+        options.check(LIMITS)

@@ -1,0 +1,190 @@
+"""The gRPC server, for real on loopback, with tiny models trained in the test run: results are
+the offline beam search's, every bad request gets its status code and a message that says what
+to fix, and the standard services (health, reflection, metrics) answer."""
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from proto import gret_serve_pb2 as pb
+from server.client import Client
+from tests.served import RunningServer, config_for, train_models
+from training import search
+from training.checkpoint import load_checkpoint
+from training.data import encode_source, load_examples
+
+torch.set_num_threads(1)
+CODE = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return train_models(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    running = RunningServer(config_for(models, tmp_path_factory.mktemp("build-cache"), metrics_port=0))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.address, timeout=60) as c:
+        yield c
+
+
+def german(n: int, offset: int = 0) -> list[str]:
+    return [e.source for e in load_examples("multi30k", "val", "de", "en")[offset: offset + n]]
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+# ---- results ------------------------------------------------------------------------------------------
+def test_translate_returns_the_offline_beam_search_output_for_each_text(client, models):
+    texts = german(6)
+    response = client.translate(texts, target="en", source="de", beam_size=4, n_best=2, return_scores=True)
+    model, ckpt, sp = load_checkpoint(models.parent / "runs" / "de-en")
+    assert response.model == "tiny-de-en" and [r.index for r in response.results] == list(range(6))
+    for text, result in zip(texts, response.results):
+        src = torch.tensor([encode_source(sp, text, ckpt.data.max_src_len)])
+        expected = search.beam_search(model, src, beam=4, n_best=2)[0]
+        assert [h.text for h in result.hypotheses] == [sp.decode(h.tokens) for h in expected]
+        assert [h.score for h in result.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-3)
+        assert result.source_tokens == src.shape[1]
+
+
+def test_streaming_sends_every_text_once_as_it_finishes(client):
+    texts = german(5, offset=10)
+    streamed = list(client.translate_stream(texts, target="en"))
+    assert all(len(r.results) == 1 for r in streamed)
+    assert sorted(r.results[0].index for r in streamed) == list(range(5))
+    unary = client.translate(texts, target="en")
+    by_index = {r.results[0].index: r.results[0].hypotheses[0].text for r in streamed}
+    assert [by_index[i] for i in range(5)] == [r.hypotheses[0].text for r in unary.results]
+
+
+def test_a_checkpoint_is_exported_on_first_start_and_serves_the_other_direction(client, server):
+    response = client.translate(["A dog runs on the beach."], target="de")
+    assert response.model == "tiny-en-de" and response.results[0].hypotheses[0].text
+    repo = server.registry.pipelines["tiny-en-de"].entry.repository
+    assert (repo / "model.json").exists() and (repo / "encoder.onnx").exists()
+
+
+def test_summarize_uses_the_summariser_and_truncates_long_articles(client):
+    article = "the central bank raised interest rates on tuesday , citing inflation . " * 30
+    response = client.summarize([article], beam_size=2)
+    assert response.model == "tiny-headlines"
+    assert response.results[0].source_tokens == 64  # --max-src-len 64: truncated, as in training
+
+
+def test_a_repeated_text_hits_the_encoder_cache(client):
+    text = german(1, offset=30)
+    first = client.translate(text, target="en").results[0]
+    second = client.translate(text, target="en").results[0]
+    assert (first.encoder_cache_hit, second.encoder_cache_hit) == (False, True)
+    assert first.hypotheses[0].text == second.hypotheses[0].text
+
+
+def test_list_models_describes_every_loaded_model(client):
+    models = {m.name: m for m in client.list_models()}
+    assert set(models) == {"tiny-de-en", "tiny-en-de", "tiny-headlines"}
+    de_en = models["tiny-de-en"]
+    assert (de_en.task, de_en.source_language, de_en.target_language) == ("translate", "de", "en")
+    assert de_en.architecture.startswith("GRET(capsule+aggregate+gate)") and de_en.backend == "onnx"
+    assert de_en.parameters > 0 and de_en.is_default and len(de_en.version) == 12
+    assert models["tiny-headlines"].task == "summarize"
+
+
+# ---- bad requests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("texts, options, code, message", [
+    ([], {}, CODE.INVALID_ARGUMENT, "no texts"),
+    (["Ein Hund.", "   "], {}, CODE.INVALID_ARGUMENT, "text 1 is empty"),
+    (["x" * 5000], {}, CODE.INVALID_ARGUMENT, "the limit is 4000"),
+    (["Ein Hund."] * 300, {}, CODE.INVALID_ARGUMENT, "the limit is 256"),
+    (["Ein Hund."], {"beam_size": 0}, CODE.INVALID_ARGUMENT, "beam_size=0"),
+    (["Ein Hund."], {"beam_size": 2, "n_best": 5}, CODE.INVALID_ARGUMENT, "n_best=5"),
+    (["Ein Hund."], {"max_length": 10**6}, CODE.INVALID_ARGUMENT, "max_length=1000000"),
+])
+def test_bad_input_is_refused_with_a_message_naming_the_problem(client, texts, options, code, message):
+    got, details = status_of(lambda: client.translate(texts, target="en", **options))
+    assert got == code and message in details
+
+
+def test_a_translation_source_over_the_model_limit_is_refused_not_truncated(client):
+    got, details = status_of(lambda: client.translate([" ".join(["Hund"] * 400)], target="en"))
+    assert got == CODE.INVALID_ARGUMENT and "accepts at most" in details
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": "no-such-model"}, "no model named 'no-such-model'"),
+    ({"target": "fr"}, "no translate model *->fr; available: de->en, en->de"),
+    ({"model": "tiny-headlines"}, "does not translate"),
+])
+def test_an_unknown_model_or_language_pair_is_not_found(client, kwargs, message):
+    got, details = status_of(lambda: client.translate(["Ein Hund."], **kwargs))
+    assert got == CODE.NOT_FOUND and message in details
+
+
+def test_a_deadline_too_short_to_decode_is_deadline_exceeded(server):
+    with Client(server.address, timeout=0.001) as hurried:
+        got, _ = status_of(lambda: hurried.translate(german(20), target="en"))
+    assert got == CODE.DEADLINE_EXCEEDED
+
+
+# ---- standard services ------------------------------------------------------------------------------
+def test_health_reports_serving_for_the_server_and_the_service(server, client):
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    for service in ("", "gretserve.v1.Inference"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lets_a_client_discover_and_call_the_api_without_the_proto(client):
+    database = ProtoReflectionDescriptorDatabase(client.channel)
+    services = set(database.get_services())
+    assert {"gretserve.v1.Inference", "grpc.health.v1.Health"} <= services
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from google.protobuf.message_factory import GetMessageClass
+
+    pool = DescriptorPool(database)  # what grpcurl does: types from the server, none compiled in
+    method = pool.FindServiceByName("gretserve.v1.Inference").FindMethodByName("Translate")
+    request_class, response_class = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
+    call = client.channel.unary_unary("/gretserve.v1.Inference/Translate",
+                                      request_serializer=request_class.SerializeToString,
+                                      response_deserializer=response_class.FromString)
+    response = call(request_class(texts=["Ein Hund."], target_language="en"), timeout=30)
+    assert response.results[0].hypotheses[0].text
+
+
+def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    running = RunningServer(config_for(models, tmp_path, metrics_port=port, models=["tiny-de-en"]))
+    try:
+        secret = "Geheimnisvolle Katze schläft."
+        with Client(running.address, timeout=60) as c:
+            c.translate([secret], target="en")
+            status_of(lambda: c.translate([], target="en"))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        running.stop()
+    assert 'gret_serve_requests_total{code="OK",method="Translate",model="tiny-de-en"} 1.0' in body
+    assert 'gret_serve_requests_total{code="INVALID_ARGUMENT",method="Translate",model=""} 1.0' in body
+    assert 'gret_serve_texts_total{model="tiny-de-en",status="ok"} 1.0' in body
+    assert 'gret_serve_encoder_cache_misses_total{model="tiny-de-en"} 1.0' in body
+    assert "gret_serve_rows_per_step_bucket" in body and "gret_serve_model_info{" in body
+    assert "Geheimnis" not in body and "Katze" not in body
