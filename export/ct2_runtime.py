@@ -36,6 +36,15 @@ from .ct2_export import VOCABULARY
 from .manifest import read_manifest
 
 
+def max_lengths(cfg: ModelConfig, src_lengths: list[int], a: float, b: int, absolute: int | None = None) -> list[int]:
+    """Output limit per sentence (EOS counted), as training.search computes it: int(a * src_len + b)
+    in float32, at most max_positions - 1 (the position table's size); or `absolute` for all."""
+    cap = cfg.max_positions - 1
+    if absolute is not None:
+        return [min(absolute, cap)] * len(src_lengths)
+    return [min(int(np.float32(n) * np.float32(a) + np.float32(b)), cap) for n in src_lengths]
+
+
 class Translation(NamedTuple):
     tokens: list[int]  # without BOS/EOS
     score: float | None  # log P / len^length_penalty; None unless return_scores
@@ -43,8 +52,9 @@ class Translation(NamedTuple):
 
 class Ct2Translator:
     """precision picks the model folder ("fp32": ct2/, "int8": ct2.int8/ when exported with
-    --quantize int8); compute_type is CTranslate2's ("default" computes in the stored type, e.g.
-    "int8" on fp32 weights quantizes them at load time)."""
+    --quantize int8); device is "cpu" or "cuda"; compute_type is CTranslate2's: "default" computes
+    in the type the weights are stored in, another type converts them at load time (e.g. "int8"
+    on the fp32 folder, "int8_float16" on a GPU); threads are CT2's intra-op threads."""
 
     def __init__(self, directory: Path, precision: str = "fp32", device: str = "cpu",
                  compute_type: str = "default", threads: int = 1, verify: bool = True):
@@ -76,7 +86,7 @@ class Ct2Translator:
         if min_length < 0 or no_repeat_ngram_size < 0:
             raise ValueError("min_length and no_repeat_ngram_size must be >= 0")
         tokens = [self._pieces(i, ids) for i, ids in enumerate(sources)]
-        limits = self.max_lengths([len(s) for s in sources], max_len_a, max_len_b, max_length)
+        limits = max_lengths(self.cfg, [len(s) for s in sources], max_len_a, max_len_b, max_length)
         if limits and min(limits) < max(min_length, 1):
             raise ValueError(f"the max output length ({min(limits)}) must be >= max(min_length, 1) = "
                              f"{max(min_length, 1)}")
@@ -94,14 +104,6 @@ class Ct2Translator:
                 scores = result.scores if return_scores else [None] * len(result.hypotheses)
                 out[i] = [Translation(self._ids(h), s) for h, s in zip(result.hypotheses, scores)]
         return out
-
-    def max_lengths(self, src_lengths: list[int], a: float, b: int, absolute: int | None) -> list[int]:
-        """Per sentence, as training.search does it: int(a * src_len + b) in float32, at most
-        max_positions - 1 (the position table's size)."""
-        cap = self.cfg.max_positions - 1
-        if absolute is not None:
-            return [min(absolute, cap)] * len(src_lengths)
-        return [min(int(np.float32(n) * np.float32(a) + np.float32(b)), cap) for n in src_lengths]
 
     def _pieces(self, index: int, ids: list[int]) -> list[str]:
         if not ids:

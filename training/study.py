@@ -139,7 +139,9 @@ def report() -> Path:
              "`python -m training.study evaluate` (each section names its command). No number here is typed by hand.",
              ""]
     for path in sorted(RESULTS_DIR.glob("*.json")):
-        lines += render(json.loads(path.read_text()))
+        payload = json.loads(path.read_text())
+        if "control" in payload:  # other tools keep their results here too (export.quality)
+            lines += render(payload)
     out = PROJECT_ROOT / "docs" / "RESULTS.md"
     out.write_text("\n".join(lines))
     return out
