@@ -34,3 +34,17 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) runs
+
+# Container image with podman (deploy/README.md): the wheelhouse is filled from the package index on
+# the host, the Debian base is made with debootstrap, then the build runs offline and exports and
+# verifies the shipped models against the evaluation data (SHARED_DATA).
+IMAGE ?= gret-serve:dev
+BASE_IMAGE ?= localhost/gret-serve-base:bookworm
+SHARED_DATA ?= ../shared/data
+.PHONY: image
+image:
+	PYTHON=$(PYTHON) deploy/wheelhouse.sh
+	BASE_IMAGE=$(BASE_IMAGE) deploy/build-local-base.sh
+	podman build --isolation=chroot --format docker --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+		--build-context data=$(abspath $(SHARED_DATA)) -t $(IMAGE) .
+	podman image ls $(IMAGE)

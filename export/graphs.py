@@ -6,12 +6,13 @@ tests/test_export.py hold the two forms together.
 
 The decoder step is written for continuous batching: rows may belong to sentences that joined
 the batch at different steps and use different beam sizes.
-- `row_sentence` (R,): row r reads the per-sentence tensors of sentence row_sentence[r] (this
-  generalises `row // beam`). The encoder output stays one entry per sentence between steps; the
-  price is paid inside each step, which gathers the cross-attention K/V into per-row copies
-  (index_select): per step N_dec * 2 * R * S * D floats written and read back by the attention,
-  where a beam-grouped kernel reads B * S * D per layer and tensor. Example, the small preset
-  (N_dec 3, D 256) with R = 128 rows and S = 30: 23.6 MB written per step.
+- `row_sentence` (R,): row r belongs to sentence row_sentence[r] (this generalises `row // beam`);
+  the small per-sentence tensors (src_pad, GRET's s^M and Gs) are gathered per row with it.
+- `group_rows` (B, W) and `row_slot` (R,): the beam-grouped layout of the rows (row_groups()).
+  Cross-attention never copies a sentence's K/V per row: the queries are gathered into one group
+  per sentence (B, H, W, d_h), attend to that sentence's K/V once, and go back to their rows.
+  Copying K/V per row instead would write N_dec * 2 * R * S * D floats per step (23.6 MB for the
+  small preset with R = 128 rows and S = 30); the query gather moves R * D.
 - `positions` (R,): each row's own target position.
 - `past_pad` (R, past_len): True where a row's self-attention cache is padding. A row that joined
   late has a shorter history; its cache is left-padded to the batch's past length.
@@ -21,10 +22,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from training.layers import DecoderLayer
 from training.model import EncoderState, Seq2Seq
+
+from .spec import cross_names, decoder_spec, encoder_spec, past_names
 
 
 class EncoderGraph(nn.Module):
@@ -48,21 +52,25 @@ class EncoderGraph(nn.Module):
 
 
 class DecoderGraph(nn.Module):
-    """One step: (tokens, positions, row_sentence, past_pad, per-sentence tensors, past K/V per
-    layer) -> log_probs (R, V), present K/V per layer (R, H, past_len + 1, d_h). Also the PyTorch
-    backend of the server, run eagerly."""
+    """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
+    past_pad, the per-sentence tensors, past K/V per layer), positionally in spec order ->
+    log_probs (R, V), present K/V per layer (R, H, past_len + 1, d_h). Also the PyTorch backend
+    of the server, run eagerly (decoder_inputs() builds the inputs for both)."""
 
     def __init__(self, model: Seq2Seq):
         super().__init__()
         self.model = model
+        self.input_names = decoder_spec(model.cfg).input_names()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
-                past_pad: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.model
-        n_layers = m.cfg.dec_layers
-        enc = unflatten_state(m.cfg, tensors[: -2 * n_layers])
-        past = tensors[-2 * n_layers:]
-        rows = enc.select(row_sentence)  # per-sentence -> per-row, so beam = 1 from here on
+        named = dict(zip(self.input_names, inputs))
+        enc = unflatten_state(m.cfg, [named[t.name] for t in encoder_spec(m.cfg).outputs])
+        past = [named[n] for i in range(m.cfg.dec_layers) for n in past_names(i)]
+        tokens, positions, past_pad = named["tokens"], named["positions"], named["past_pad"]
+        row_sentence = named.get("row_sentence")
+        per_row = lambda t: None if t is None else t.index_select(0, row_sentence)  # noqa: E731
+        global_state, gate_source = per_row(enc.global_state), per_row(enc.gate_source)  # GRET's s^M, Gs
         # One transposed copy of the tied embedding serves both the lookup and the output
         # projection; Seq2Seq.output's F.linear would leave a second (V, D) copy in the file.
         table = m.embed.weight.t()  # (D, V)
@@ -70,14 +78,15 @@ class DecoderGraph(nn.Module):
         x = table.index_select(1, tokens).t()[:, None] * math.sqrt(m.cfg.d_model) + position  # (R, 1, D)
         self_pad = torch.cat([past_pad, torch.zeros_like(tokens, dtype=torch.bool)[:, None]], 1)  # new key: never padding
         present = []
-        for i, (layer, memory) in enumerate(zip(m.decoder, rows.memory)):
-            x, (k, v) = layer_step(layer, x, memory, rows.src_pad, past[2 * i], past[2 * i + 1], self_pad)
+        groups = (named["group_rows"], named["row_slot"])
+        for i, (layer, memory) in enumerate(zip(m.decoder, enc.memory)):
+            x, (k, v) = layer_step(layer, x, memory, enc.src_pad, groups, past[2 * i], past[2 * i + 1], self_pad)
             present += [k, v]
         r = m.dec_norm(x[:, 0])  # Seq2Seq.output with beam = 1, on per-row GRET tensors
-        if rows.global_state is not None and m.context_gate is not None:
-            r = m.context_gate(r[:, None, None], rows.global_state, rows.gate_source)[:, 0, 0]
-        elif rows.global_state is not None:
-            r = r + rows.global_state
+        if global_state is not None and m.context_gate is not None:
+            r = m.context_gate(r[:, None, None], global_state, gate_source)[:, 0, 0]
+        elif global_state is not None:
+            r = r + global_state
         log_probs = torch.log_softmax((r @ table).float(), -1)
         return (log_probs, *present)
 
@@ -93,7 +102,7 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
     return [mv.norms[i](g + views[-1]) for i, g in enumerate(views_i)] if mv.soft else views_i
 
 
-def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, key_pad: torch.Tensor, past_k: torch.Tensor,
+def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, src_pad: torch.Tensor, groups, past_k: torch.Tensor,
                past_v: torch.Tensor, self_pad: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """DecoderLayer.forward for one new position with a cache, stated again from the layer's own
     parts: forward() derives its causal flag from a shape, which the tracer turns into a tensor.
@@ -106,11 +115,53 @@ def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, key_pad: torch.Tens
         return layer.self_attn.attend(layer.self_attn.split(layer.self_attn.q(h)), *present, key_pad=self_pad)
 
     def cross_attention(h):
-        return layer.cross_attn.attend(layer.cross_attn.split(layer.cross_attn.q(h)), *memory, key_pad=key_pad)
+        return grouped_cross_attention(layer.cross_attn, h, memory, src_pad, *groups)
 
     x = layer.res_self(x, self_attention)
     x = layer.res_cross(x, cross_attention)
     return layer.res_ffn(x, layer.ffn), (present[0], present[1])
+
+
+def grouped_cross_attention(attn, h: torch.Tensor, memory, src_pad: torch.Tensor, group_rows: torch.Tensor,
+                            row_slot: torch.Tensor) -> torch.Tensor:
+    """MultiHeadAttention.attend over per-sentence K/V (B, H, S, d_h) for rows h (R, 1, D) grouped
+    by sentence: queries (R, D) -> groups (B, W, D) (slot R is a zero query: padding) -> attention
+    per sentence -> back to rows (R, 1, D)."""
+    q = attn.q(h[:, 0])
+    q = torch.cat([q, torch.zeros_like(q[:1])]).index_select(0, group_rows.flatten())
+    q = attn.split(q.view(group_rows.shape[0], group_rows.shape[1], -1))  # (B, H, W, d_h)
+    out = F.scaled_dot_product_attention(q, *memory, attn_mask=~src_pad[:, None, None, :])
+    out = out.transpose(1, 2).flatten(2).flatten(0, 1).index_select(0, row_slot)  # (R, D)
+    return attn.o(out)[:, None]
+
+
+def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, past_pad: torch.Tensor,
+                   enc: EncoderState, cache: list) -> dict[str, torch.Tensor]:
+    """The decoder step's inputs by name (a superset of any one model's spec)."""
+    row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
+    inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence, "row_slot": row_slot,
+              "group_rows": group_rows, "past_pad": past_pad}
+    inputs |= dict(zip(state_names(enc), flatten_state(enc)))
+    for i, (k, v) in enumerate(cache):
+        inputs |= dict(zip(past_names(i), (k, v)))
+    return inputs
+
+
+def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_slot (R,), group_rows (B, W)) for rows in any order: row r is slot w of its sentence's
+    group (its w-th row), row_slot[r] = sentence * W + w, group_rows[b, w] = that row, or R where
+    sentence b has fewer than W rows."""
+    rows = row_sentence.shape[0]
+    counts = torch.bincount(row_sentence, minlength=n_sentences)
+    width = max(1, int(counts.max())) if rows else 1
+    order = torch.sort(row_sentence, stable=True).indices
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.empty_like(row_sentence)
+    within[order] = torch.arange(rows) - first[row_sentence[order]]
+    row_slot = row_sentence * width + within
+    group_rows = torch.full((n_sentences * width,), rows, dtype=torch.long)
+    group_rows[row_slot] = torch.arange(rows)
+    return row_slot, group_rows.view(n_sentences, width)
 
 
 def flatten_state(enc: EncoderState) -> tuple[torch.Tensor, ...]:
@@ -120,6 +171,13 @@ def flatten_state(enc: EncoderState) -> tuple[torch.Tensor, ...]:
     for k, v in enc.memory:
         out += [k, v]
     return tuple(out)
+
+
+def state_names(enc: EncoderState) -> list[str]:
+    """The spec names of flatten_state(enc), in its order."""
+    names = ["src_pad"] + [n for n, t in (("global_state", enc.global_state), ("gate_source", enc.gate_source))
+                           if t is not None]
+    return names + [n for i in range(len(enc.memory)) for n in cross_names(i)]
 
 
 def unflatten_state(cfg, tensors) -> EncoderState:

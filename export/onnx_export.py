@@ -15,8 +15,8 @@ import torch
 
 from training.model import Seq2Seq
 
-from .graphs import DecoderGraph, EncoderGraph, flatten_state
-from .spec import OPSET, GraphSpec, model_specs, unclaimed_weights
+from .graphs import DecoderGraph, EncoderGraph, decoder_inputs, flatten_state, unflatten_state
+from .spec import OPSET, GraphSpec, decoder_spec, model_specs, unclaimed_weights
 
 ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT, "bool": onnx.TensorProto.BOOL}
 
@@ -48,7 +48,9 @@ def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple
     past_pad = torch.zeros(SAMPLE_ROWS, SAMPLE_PAST, dtype=torch.bool)
     past_pad[2, : SAMPLE_PAST - 1] = True  # ... so the late row's cache is left-padded
     past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_PAST, d_head) for _ in range(2 * cfg.dec_layers)]
-    return (tokens, positions, row_sentence, past_pad, *per_sentence, *past)
+    enc = unflatten_state(cfg, per_sentence)
+    inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, list(zip(past[::2], past[1::2])))
+    return tuple(inputs[name] for name in decoder_spec(cfg).input_names())
 
 
 def _export(module: torch.nn.Module, args: tuple, spec: GraphSpec, path: Path) -> None:

@@ -18,9 +18,9 @@ from training import search
 from training.config import ModelConfig
 from training.model import EncoderState
 
-from .graphs import flatten_state, unflatten_state
+from .graphs import decoder_inputs, unflatten_state
 from .manifest import read_manifest
-from .spec import GraphSpec, decoder_spec, encoder_spec, past_names
+from .spec import GraphSpec, decoder_spec, encoder_spec
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -120,10 +120,7 @@ class OnnxModel:
         """One decoder step for rows at their own positions (continuous batching): see
         export/graphs.py. Returns log-probabilities (R, V) and the cache grown by one column."""
         rows = tokens.shape[0]
-        inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence, "past_pad": past_pad}
-        inputs |= dict(zip([t.name for t in self.encoder.spec.outputs], flatten_state(enc)))
-        for i, (k, v) in enumerate(cache):
-            inputs |= dict(zip(past_names(i), (k, v)))
+        inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
         present_len = cache[0][0].shape[2] + 1
         sizes = {"rows": rows, "present_len": present_len}
         shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}

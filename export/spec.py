@@ -9,6 +9,8 @@ The runtime wrapper reads the same spec, so the names live in one place.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 from training.config import ModelConfig
@@ -88,8 +90,11 @@ def encoder_spec(cfg: ModelConfig) -> GraphSpec:
 def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     inputs = [TensorSpec("tokens", "int64", ("rows",)),
-              TensorSpec("positions", "int64", ("rows",)),
-              TensorSpec("row_sentence", "int64", ("rows",)),
+              TensorSpec("positions", "int64", ("rows",))]
+    if cfg.gret:  # only GRET's per-sentence s^M and Gs are gathered per row
+        inputs.append(TensorSpec("row_sentence", "int64", ("rows",)))
+    inputs += [TensorSpec("row_slot", "int64", ("rows",)),
+              TensorSpec("group_rows", "int64", ("batch", "group_width")),
               TensorSpec("past_pad", "bool", ("rows", "past_len"))]
     inputs += _per_sentence(cfg)
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
@@ -103,6 +108,13 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
 
 def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, GraphSpec]:
     return encoder_spec(cfg), decoder_spec(cfg)
+
+
+def signature_digest(cfg: ModelConfig) -> str:
+    """8 hex digits that change whenever the graphs' inputs or outputs do: built repositories are
+    cached under it, so code with a new graph signature never loads an old export."""
+    shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
+    return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:8]
 
 
 def unclaimed_weights(parameter_names: list[str], specs: tuple[GraphSpec, ...]) -> list[str]:

@@ -7,10 +7,12 @@ calls get UNAVAILABLE, in-flight calls finish within `grace_seconds`, then the p
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -31,7 +33,7 @@ class BearerToken(grpc.aio.ServerInterceptor):
     """Every call but health checks must carry `authorization: Bearer <token>`."""
 
     def __init__(self, token: str):
-        self.expected = f"Bearer {token}"
+        self.expected = f"Bearer {token}".encode()
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -42,7 +44,7 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if details.method.startswith(f"/{HEALTH}/"):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self.expected:
+        if hmac.compare_digest(metadata.get("authorization", "").encode(), self.expected):  # constant time
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
@@ -56,6 +58,38 @@ class BearerToken(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(deny_stream)
         return grpc.stream_stream_rpc_method_handler(self.deny) if handler.stream_stream else \
             grpc.stream_unary_rpc_method_handler(self.deny)
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """A request that is not a valid message of its type (broken wire format, a string that is not
+    UTF-8) gets INVALID_ARGUMENT; without this, grpc answers UNKNOWN."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
+            return handler
+        method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[details.method.rsplit("/", 1)[1]]
+        parse, message = handler.request_deserializer, f"the request is not a valid {method.input_type.full_name}"
+
+        def deserialize(raw: bytes):
+            try:
+                return parse(raw)
+            except DecodeError as e:
+                return e  # the handler refuses it, with a status code this function cannot set
+
+        if handler.unary_unary:
+            async def unary(request, context):
+                if isinstance(request, DecodeError):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message}: {request}")
+                return await handler.unary_unary(request, context)
+            return grpc.unary_unary_rpc_method_handler(unary, deserialize, handler.response_serializer)
+
+        async def stream(request, context):
+            if isinstance(request, DecodeError):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message}: {request}")
+            async for response in handler.unary_stream(request, context):
+                yield response
+        return grpc.unary_stream_rpc_method_handler(stream, deserialize, handler.response_serializer)
 
 
 class App:
@@ -74,7 +108,7 @@ class App:
         """Starts everything; returns the bound gRPC port (config port 0 picks a free one)."""
         c = self.config
         limit = c.max_message_mb << 20
-        interceptors = [BearerToken(c.token())] if c.token() else []
+        interceptors = ([BearerToken(c.token())] if c.token() else []) + [MalformedRequests()]
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         pb_grpc.add_InferenceServicer_to_server(self.service, self.server)

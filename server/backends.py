@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from export.graphs import DecoderGraph, flatten_state
+from export.graphs import DecoderGraph, decoder_inputs
 from export.onnx_runtime import OnnxModel
 from training.model import EncoderState, Seq2Seq
 
@@ -37,8 +37,8 @@ class TorchBackend:
 
     @torch.no_grad()
     def step(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache) -> tuple[torch.Tensor, list]:
-        past = [t for kv in cache for t in kv]
-        out = self.decoder(tokens, positions, row_sentence, past_pad, *flatten_state(enc), *past)
+        inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
+        out = self.decoder(*(inputs[name] for name in self.decoder.input_names))
         present = out[1:]
         return out[0], [(present[2 * i], present[2 * i + 1]) for i in range(self.cfg.dec_layers)]
 
@@ -48,3 +48,18 @@ class OnnxBackend(OnnxModel):
 
     def __init__(self, repository: Path, precision: str = "fp32", threads: int = 1):
         super().__init__(repository, precision=precision, threads=threads)
+        for graph in (self.encoder, self.decoder):
+            check_signature(graph, Path(repository))
+
+
+def check_signature(graph, repository: Path) -> None:
+    """The graph's tensors must have the names and fixed sizes that model.json's model_config implies:
+    a model.json that disagrees with its graphs must stop the start, not fail every request."""
+    session = graph.session
+    shapes = {t.name: t.shape for t in session.get_inputs() + session.get_outputs()}
+    for t in graph.spec.inputs + graph.spec.outputs:
+        shape = shapes.get(t.name)
+        if shape is None or len(shape) != len(t.shape) or any(
+                isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(shape, t.shape)):
+            raise ValueError(f"{repository / 'model.json'}: its model_config does not match the {graph.spec.name} "
+                             f"graph: {t.name} should have shape {list(t.shape)}, the graph has {shape}")

@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from export.manifest import MANIFEST, read_manifest, sha256
+from safetensors import safe_open
+
+from export.manifest import MANIFEST, TASKS, read_manifest, sha256
 from export.repository import write_repository
+from export.spec import signature_digest
 from training.checkpoint import SPM, WEIGHTS, load_checkpoint
-from training.config import ModelConfig
+from training.config import Checkpoint, ModelConfig
 from training.data import load_sentencepiece
 
 log = logging.getLogger("server.models")
@@ -85,6 +88,7 @@ def load_entry(folder: Path, backend: str, build_cache: Path | None = None,
         return from_repository(folder, backend)
     if not is_checkpoint(folder):
         raise ModelError(f"{folder} is neither a model repository ({MANIFEST}) nor a checkpoint (config.json)")
+    check_checkpoint(folder)
     if backend == "torch":
         return _from_checkpoint(folder)
     if backend != "onnx":
@@ -92,6 +96,23 @@ def load_entry(folder: Path, backend: str, build_cache: Path | None = None,
                          f"`python -m export --checkpoint {folder} --format {backend} --out DIR`")
     repo = build_repository(folder, build_cache or cache_root(), verify)
     return from_repository(repo, backend, checkpoint=folder)
+
+
+def check_checkpoint(folder: Path) -> None:
+    """Every file of a checkpoint is there and its config.json and weights parse: a missing, truncated
+    or corrupt file is named here rather than failing somewhere inside loading or export."""
+    for name in ("config.json", WEIGHTS, SPM):
+        if not (folder / name).exists():
+            raise ModelError(f"{folder / name} is missing: a checkpoint holds config.json, {WEIGHTS} and {SPM}")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except ValueError as e:
+        raise ModelError(f"{folder / 'config.json'} is not valid JSON: {e}") from e
+    try:
+        with safe_open(str(folder / WEIGHTS), "pt"):
+            pass
+    except Exception as e:  # safetensors raises its own error type
+        raise ModelError(f"{folder / WEIGHTS} is not a readable safetensors file: {e}") from e
 
 
 def _from_checkpoint(folder: Path) -> ModelEntry:
@@ -108,18 +129,27 @@ def _from_checkpoint(folder: Path) -> ModelEntry:
 
 
 def from_repository(folder: Path, backend: str, checkpoint: Path | None = None) -> ModelEntry:
+    path = folder / MANIFEST
     try:
         manifest = read_manifest(folder, verify=True)
         cfg = ModelConfig.from_dict(manifest["model_config"])
         sp = load_sentencepiece(folder / manifest["tokenizer"]["file"])
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if manifest["backend"] != backend:
+            raise ModelError(f"{folder} is a {manifest['backend']} repository; the server is configured for {backend}")
+        if manifest["task"] not in TASKS:
+            raise ModelError(f"{path}: task {manifest['task']!r} is not one of {', '.join(TASKS)}")
+        arch = manifest["architecture"]
+        return ModelEntry(manifest["name"], manifest["version"], manifest["task"], manifest["source_language"],
+                          manifest["target_language"], arch["summary"], arch["parameters"], cfg, sp,
+                          manifest["tokenizer"]["max_src_len"], folder, checkpoint, manifest.get("metrics", {}))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e}") from e
+    except KeyError as e:
+        raise ModelError(f"{path} has no field {e}") from e
+    except (AttributeError, TypeError) as e:
+        raise ModelError(f"{path} is not laid out as a model repository's manifest: {e}") from e
+    except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"{folder}: {e}") from e
-    if manifest["backend"] != backend:
-        raise ModelError(f"{folder} is a {manifest['backend']} repository; the server is configured for {backend}")
-    arch = manifest["architecture"]
-    return ModelEntry(manifest["name"], manifest["version"], manifest["task"], manifest["source_language"],
-                      manifest["target_language"], arch["summary"], arch["parameters"], cfg, sp,
-                      manifest["tokenizer"]["max_src_len"], folder, checkpoint, manifest.get("metrics", {}))
 
 
 def _recorded(folder: Path) -> dict:
@@ -130,11 +160,12 @@ def _recorded(folder: Path) -> dict:
 def build_repository(checkpoint: Path, cache: Path, verify: Callable[[Path, Path], dict] | None) -> Path:
     """The ONNX repository (fp32 + int8 graphs) for a checkpoint, from the build cache or exported
     now. verify(checkpoint, repo) runs once per build; it raises ModelError to refuse the build."""
-    for name in ("config.json", WEIGHTS, SPM):
-        if not (checkpoint / name).exists():
-            raise ModelError(f"{checkpoint / name} is missing: a checkpoint holds config.json, {WEIGHTS} and {SPM}")
     key = sha256(checkpoint / WEIGHTS)[:12]
-    repo = cache / f"{checkpoint.name}-{key}"
+    try:
+        graphs = signature_digest(Checkpoint.load(checkpoint).model)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{checkpoint / 'config.json'}: {e}") from e
+    repo = cache / f"{checkpoint.name}-{key}-{graphs}"
     if (repo / MANIFEST).exists() and (not verify or (repo / VERIFY_FILE).exists()):
         log.info("model %s: using the ONNX repository built earlier at %s", checkpoint.name, repo)
         return repo

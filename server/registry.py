@@ -37,10 +37,11 @@ class Registry:
                     entry, config.backend, config.precision, config.threads, config.batching,
                     config.max_batch_tokens, config.max_queue, config.cache_mb << 20, config.limits(),
                     metrics.observer(entry.name) if metrics else None)
-            except (ModelError, OSError, ValueError) as e:
+            except Exception as e:  # whatever breaks loading (safetensors, ONNX Runtime, ...) is this folder's problem
+                problem = str(e) if isinstance(e, ModelError) else f"{folder}: {type(e).__name__}: {e}"
                 if not config.skip_bad_models:
-                    raise ModelError(str(e)) from e
-                log.error("skipping model folder %s: %s", folder, e)
+                    raise ModelError(problem) from e
+                log.error("skipping model folder %s: %s", folder, problem)
                 failures.append(folder)
                 continue
             pipelines.append(pipeline)

@@ -82,7 +82,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     # ---- one call -----------------------------------------------------------------------------
     async def _unary(self, method, task, request, context, source="", target=""):
-        start, model = time.monotonic(), request.model
+        start, model = time.monotonic(), self._label(request.model)
         try:
             pipeline, seqs, done = await self._submit(task, request, context, source, target)
             model = pipeline.entry.name
@@ -104,7 +104,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return response
 
     async def _stream(self, method, task, request, context, source="", target=""):
-        start, model = time.monotonic(), request.model
+        start, model = time.monotonic(), self._label(request.model)
         try:
             pipeline, seqs, done = await self._submit(task, request, context, source, target)
             model = pipeline.entry.name
@@ -187,6 +187,11 @@ class InferenceService(pb_grpc.InferenceServicer):
                               log_prob=h.log_prob if scores else 0.0)
                 for text, h in zip(pipeline.texts(seq), seq.hypotheses)]
         return pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src), encoder_cache_hit=seq.cache_hit)
+
+    def _label(self, name: str) -> str:
+        """The model label of a call's metrics: a loaded model's name, else "" (a label per string a
+        client sends would grow the metrics without bound and publish request data)."""
+        return name if name in self.registry.pipelines else ""
 
     def _count(self, model: str, method: str, code: grpc.StatusCode, start: float) -> None:
         self.metrics.requests.labels(model, method, code.name).inc()

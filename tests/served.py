@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 from export.__main__ import main as export_main
@@ -13,6 +19,8 @@ from server.config import ServerConfig
 from server.metrics import Metrics
 from server.registry import Registry
 from training import train
+
+REPO = Path(__file__).resolve().parent.parent
 
 TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "600", "--lr", "5e-3", "--warmup", "10",
         "--label-smoothing", "0", "--dropout", "0", "--threads", "1", "--log-every", "100"]
@@ -58,3 +66,48 @@ class RunningServer:
 def config_for(models_dir: Path, cache: Path, **overrides) -> ServerConfig:
     return ServerConfig(**{"models_dir": str(models_dir), "host": "127.0.0.1", "port": 0, "metrics_port": 0,
                            "threads": 1, "build_cache": str(cache), "grace_seconds": 5.0, **overrides}).check()
+
+
+class ServerProcess:
+    """`python -m server ARGS` as a child process, the way an operator runs it; everything it prints
+    (the log on stderr, stdout) is collected line by line."""
+
+    def __init__(self, *args, env: dict[str, str] | None = None):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", *map(str, args)], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_serving(self, timeout: float = 180) -> str:
+        """The loopback address, once the server logs that it is serving."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(r"serving .* on \S+:(\d+) \(metrics", self.log)
+            if found:
+                return f"127.0.0.1:{found.group(1)}"
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log}")
+            time.sleep(0.1)
+        raise AssertionError(f"not serving after {timeout} s:\n{self.log}")
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.wait(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

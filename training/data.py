@@ -115,6 +115,9 @@ class Batch:
     def n_tokens(self) -> int:
         return int((self.tgt[:, 1:] != PAD).sum())
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(None if t is None else t.to(device) for t in (self.src, self.tgt, self.src_tags, self.index)))
+
 
 def pad(seqs: list[list[int]], value: int = PAD) -> torch.Tensor:
     out = torch.full((len(seqs), max(len(s) for s in seqs)), value, dtype=torch.long)
@@ -151,6 +154,17 @@ class TokenBatcher:
             batches.append(current)
         rng.shuffle(batches)
         return batches
+
+    def shard(self, ids: list[int], rank: int, parts: int) -> list[int]:
+        """Process `rank`'s share of a batch split `parts` ways: longest examples first, each to
+        the share with the fewest tokens so far (ties to the lowest rank), so the shares carry
+        about equal work. Deterministic, so every process derives the same split."""
+        size = {i: len(self.src[i]) + len(self.tgt[i]) for i in ids}
+        owner, tokens = {}, [0] * parts
+        for i in sorted(ids, key=size.get, reverse=True):
+            owner[i] = tokens.index(min(tokens))
+            tokens[owner[i]] += size[i]
+        return [i for i in ids if owner[i] == rank]
 
     def collate(self, ids: list[int]) -> Batch:
         tags = pad([self.tags[i] for i in ids]) if self.tags is not None else None

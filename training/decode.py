@@ -24,7 +24,9 @@ def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length
     if tags is not None:
         tags = align_tags(tags, src)
     out: list[str] = [""] * len(texts)
+    device = model.embed.weight.device
     for ids, src_batch, tag_batch in source_batches(src, batch_tokens, tags):
+        src_batch, tag_batch = src_batch.to(device), None if tag_batch is None else tag_batch.to(device)
         if beam == 1:
             results = greedy(model, src_batch, tag_batch, max_len_a, max_len_b)
         else:

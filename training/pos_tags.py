@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import os
 import re
 import unicodedata
 from typing import Iterable
@@ -116,9 +117,11 @@ def _check_lang(lang: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _hanta(filename: str):
-    # Loading unpickles a large model: do it once per process and language.
+    # Loading unpickles a large model: do it once per process and language. Always the file inside
+    # the installed package: given a bare name, HanTa tries the working directory first and would
+    # unpickle (run) whatever file of that name it found there.
     from HanTa import HanoverTagger as ht
-    return ht.HanoverTagger(filename)
+    return ht.HanoverTagger(os.path.join(os.path.dirname(ht.__file__), filename))
 
 
 @functools.lru_cache(maxsize=None)

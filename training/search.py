@@ -22,9 +22,9 @@ def greedy(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None = No
     enc = model.encode(src, src_tags)
     rows = src.shape[0]
     max_len = _max_lengths(src, cfg.pad_id, max_len_a, max_len_b, cfg.max_positions)
-    tokens = torch.full((rows,), cfg.bos_id, dtype=torch.long)
+    tokens = torch.full((rows,), cfg.bos_id, dtype=torch.long, device=src.device)
     out = [[] for _ in range(rows)]
-    alive = torch.arange(rows)
+    alive = torch.arange(rows, device=src.device)
     cache = None
     for step in range(int(max_len.max())):
         log_probs, cache = model.decode_step(tokens, step, enc, cache)

@@ -2,10 +2,14 @@
 
 The output directory is a checkpoint (config.json + model.safetensors + spm.model, the best by
 validation BLEU/ROUGE) plus what resuming needs (state/) and a JSONL log. Re-running the same
-command resumes exactly where the last saved state left off."""
+command resumes exactly where the last saved state left off.
+
+Data-parallel: `torchrun --standalone --nproc_per_node N -m training.train ...` runs the same
+command in N processes (training.distributed); each computes its share of every batch."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -22,6 +26,7 @@ from .config import PRESETS, Checkpoint, DataConfig, ModelConfig
 from .data import (PAD, TokenBatcher, align_tags, encode_source, encode_target, length_filter, load_examples,
                    load_sentencepiece, train_sentencepiece)
 from .decode import corpus_translate
+from .distributed import Processes, start
 from .metrics import bleu, rouge
 from .model import Seq2Seq
 from .positions import choose_mvpe_k
@@ -53,7 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="bf16 autocast for matmuls (fp32 weights and loss); ~1.7x faster on AVX512-BF16 CPUs")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="per process")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per process (LOCAL_RANK under torchrun), NCCL between them; cpu: gloo")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--average-last", type=int, default=5, help="average the last k evaluated snapshots")
@@ -120,16 +127,31 @@ class Progress:
         sys.stderr.flush()
 
 
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> tuple[torch.Tensor, int]:
-    n_tokens = int(target.ne(PAD).sum())
+def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
+                        smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed over the non-pad target tokens, and their count: the caller divides by the whole
+    batch's count, which data-parallel processes only know together."""
     loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=PAD,
                            label_smoothing=smoothing, reduction="sum")
-    return loss / n_tokens, n_tokens
+    return loss, target.ne(PAD).sum().to(loss.dtype)
+
+
+def rng_key(name: str, rank: int) -> str:
+    """Each process's random stream in state/rng.safetensors (rank 0's under the plain name)."""
+    return name if rank == 0 else f"{name}.rank{rank}"
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 class Trainer:
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, procs: Processes):
+        self.args, self.procs = args, procs
         torch.set_num_threads(args.threads)
         torch.manual_seed(args.seed)
         self.out: Path = args.out
@@ -160,12 +182,15 @@ class Trainer:
             self.spm_bytes = (self.out / ck.SPM).read_bytes()
         elif parent is not None:
             self.spm_bytes = (args.init_from / ck.SPM).read_bytes()
-        else:
+        else:  # trained once and shared: every process must hold the same vocabulary
             texts = [e.source for e in train] + [e.target for e in train]  # joint vocabulary
-            self.spm_bytes = train_sentencepiece(texts, args.vocab_size)
+            self.spm_bytes = procs.from_main(train_sentencepiece(texts, args.vocab_size) if procs.is_main else None)
         self.sp = load_sentencepiece(self.spm_bytes)
         cfg = base_cfg if resuming else model_config(args, self.sp.get_piece_size(), base_cfg)
-        self.model = Seq2Seq(cfg)
+        self.model = Seq2Seq(cfg).to(procs.device)  # the same initial weights in every process
+        if procs.rank:  # but each process its own dropout stream (rank 0 keeps the single-process one)
+            torch.manual_seed(args.seed + procs.rank)
+        self.generators = {"torch_rng": torch} | ({"cuda_rng": torch.cuda} if procs.device.type == "cuda" else {})
         self.ckpt = Checkpoint(cfg, self.data_cfg, record)
 
         kept = length_filter(train, self.sp, data.max_src_len, data.max_tgt_len, data.task == "summarize")
@@ -190,17 +215,25 @@ class Trainer:
                 self.ckpt.training["added_parameters"] = added
             self.log({"event": "start", "parameters": self.model.num_parameters(), "config": cfg.to_dict(),
                       "data": asdict(self.data_cfg), "train_pairs": len(src), "dropped_by_length": dropped,
-                      "args": vars(args)})
+                      "processes": procs.world_size, "args": vars(args)})
+        self.net = procs.wrap(self.model)  # what training runs; self.model is what is validated and saved
 
     # ---- persistence --------------------------------------------------------------------
     def log(self, record: dict):
+        if not self.procs.is_main:
+            return
         with open(self.out / "log.jsonl", "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
     def save_state(self):
+        """Collective: every process hands its random streams to the main one, which writes."""
+        streams = self.procs.gather({name: g.get_rng_state() for name, g in self.generators.items()})
+        if not self.procs.is_main:
+            return
         self.state_dir.mkdir(exist_ok=True)
         ck.save_weights(self.model.state_dict(), self.state_dir / "model.safetensors")
-        ck.save_weights({"torch_rng": torch.get_rng_state()}, self.state_dir / "rng.safetensors")
+        ck.save_weights({rng_key(name, rank): state for rank, own in enumerate(streams) for name, state in own.items()},
+                        self.state_dir / "rng.safetensors")
         extra = dict(step=self.step, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, best=self.best,
                      wall=self.wall, snapshots=self.snapshots())
         ck.save_optimizer(self.optimizer, self.state_dir / "optimizer.safetensors", extra)
@@ -211,10 +244,15 @@ class Trainer:
     def resume(self):
         self.model.load_state_dict(load_file(str(self.state_dir / "model.safetensors")))
         extra = ck.load_optimizer(self.optimizer, self.state_dir / "optimizer.safetensors")
-        torch.set_rng_state(load_file(str(self.state_dir / "rng.safetensors"))["torch_rng"])
+        streams = load_file(str(self.state_dir / "rng.safetensors"))
+        for name, generator in self.generators.items():
+            key = rng_key(name, self.procs.rank)
+            if key in streams:  # else the saved run had fewer processes: this one keeps its fresh stream
+                generator.set_rng_state(streams[key])
         self.step, self.epoch, self.batch_in_epoch = extra["step"], extra["epoch"], extra["batch_in_epoch"]
         self.best, self.wall = extra["best"], extra["wall"]
-        print(f"resuming {self.out} at step {self.step}", file=sys.stderr)
+        if self.procs.is_main:
+            print(f"resuming {self.out} at step {self.step}", file=sys.stderr)
 
     def snapshots(self) -> list[str]:
         return sorted((p.name for p in (self.out / "snapshots").glob("step_*.safetensors")),
@@ -236,6 +274,12 @@ class Trainer:
         return result
 
     def evaluate_and_save(self, train_loss: float):
+        """Collective: the main process validates and writes; the others wait for it in save_state."""
+        if self.procs.is_main:
+            self.evaluate(train_loss)
+        self.save_state()
+
+    def evaluate(self, train_loss: float):
         t0 = time.time()
         result = self.validate(self.model)
         snap_dir = self.out / "snapshots"
@@ -250,12 +294,10 @@ class Trainer:
             self.write_checkpoint(self.model.state_dict())
         self.log({"event": "valid", "step": self.step, "train_loss": train_loss, **result,
                   "best": self.best, "eval_seconds": round(time.time() - t0, 1), "wall": round(self.wall, 1)})
-        self.save_state()
-        return result
 
     def write_checkpoint(self, state):
         self.ckpt.training.update(steps=self.step, wall_minutes=round(self.wall / 60, 1),
-                                  train_pairs=len(self.batcher.src),
+                                  train_pairs=len(self.batcher.src), processes=self.procs.world_size,
                                   args={k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()})
         ck.save_checkpoint(self.out, self.model, self.ckpt, self.spm_bytes, state=state)
 
@@ -264,7 +306,7 @@ class Trainer:
         if len(names) < 2:
             return
         averaged = ck.average_weights([self.out / "snapshots" / n for n in names])
-        model = Seq2Seq(self.model.cfg)
+        model = Seq2Seq(self.model.cfg).to(self.procs.device)
         model.load_state_dict(averaged)
         result = self.validate(model)
         self.log({"event": "average", "snapshots": names, **result})
@@ -274,29 +316,44 @@ class Trainer:
             self.write_checkpoint(averaged)
 
     # ---- the loop -----------------------------------------------------------------------
+    def train_step(self, ids: list[int]) -> tuple[float, int, float]:
+        """One optimiser step on the batch `ids`, of which this process computes its share.
+        Returns the batch's mean token loss, its target tokens and the gradient norm (unclipped)."""
+        args, procs = self.args, self.procs
+        batch = self.batcher.collate(self.batcher.shard(ids, procs.rank, procs.world_size)).to(procs.device)
+        with torch.autocast(procs.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = self.net(batch.src, batch.tgt[:, :-1], batch.src_tags)
+        loss_sum, n_tokens = label_smoothed_loss(logits, batch.tgt[:, 1:], args.label_smoothing)
+        batch_loss, batch_tokens = procs.all_sum(torch.stack([loss_sum.detach(), n_tokens])).tolist()
+        self.optimizer.zero_grad(set_to_none=True)
+        # DDP averages the processes' gradients; scaled by world_size, that average is their sum:
+        # the gradient of the mean token loss over the whole batch, as in a single process.
+        (loss_sum * procs.world_size / batch_tokens).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip)
+        self.optimizer.step()
+        return batch_loss / batch_tokens, int(batch_tokens), float(grad_norm)
+
     def run(self):
-        args, model = self.args, self.model
-        model.train()
+        args, procs = self.args, self.procs
+        self.net.train()
         progress = Progress(args.max_steps, args.max_minutes)
-        first_step, window_loss, window_tokens, window_steps = self.step, 0.0, 0, 0
+        first_step, window_loss, window_norm, window_tokens, window_steps = self.step, 0.0, 0.0, 0, 0
         tick = window_start = time.time()
         while self.step < args.max_steps:
             batches = self.batcher.batches(self.epoch)
+            if min(map(len, batches)) < procs.world_size:
+                raise SystemExit(f"a batch of {min(map(len, batches))} pairs cannot be split among "
+                                 f"{procs.world_size} processes: raise --batch-tokens")
             while self.batch_in_epoch < len(batches) and self.step < args.max_steps:
-                batch = self.batcher.collate(batches[self.batch_in_epoch])
+                ids = batches[self.batch_in_epoch]
                 self.batch_in_epoch += 1
                 self.step += 1
                 lr = args.lr * min(self.step / args.warmup, math.sqrt(args.warmup / self.step))
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                    logits = model(batch.src, batch.tgt[:, :-1], batch.src_tags)
-                loss, n_tokens = label_smoothed_loss(logits, batch.tgt[:, 1:], args.label_smoothing)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                self.optimizer.step()
-                window_loss += loss.item()
+                loss, n_tokens, grad_norm = self.train_step(ids)
+                window_loss += loss
+                window_norm += grad_norm
                 window_tokens += n_tokens
                 window_steps += 1
                 now = time.time()
@@ -306,25 +363,36 @@ class Trainer:
                     mean_loss = window_loss / window_steps
                     tok_s = window_tokens / max(1e-9, now - window_start)
                     window_start = now
-                    progress.show(self.step, first_step, mean_loss, tok_s)
+                    if procs.is_main:
+                        progress.show(self.step, first_step, mean_loss, tok_s)
                     self.log({"event": "train", "step": self.step, "loss": round(mean_loss, 4), "lr": lr,
-                              "tok_per_s": round(tok_s), "wall": round(self.wall, 1)})
-                    window_loss, window_tokens, window_steps = 0.0, 0, 0
-                out_of_time = args.max_minutes and self.wall >= args.max_minutes * 60
+                              "grad_norm": round(window_norm / window_steps, 4), "tok_per_s": round(tok_s),
+                              "wall": round(self.wall, 1)})
+                    window_loss, window_norm, window_tokens, window_steps = 0.0, 0.0, 0, 0
+                # every process stops with the main one, whose clock is the run's
+                out_of_time = args.max_minutes and procs.from_main(self.wall >= args.max_minutes * 60)
                 if self.step % args.eval_every == 0 or self.step >= args.max_steps or out_of_time:
-                    self.evaluate_and_save(loss.item())
+                    self.evaluate_and_save(loss)
                     tick = window_start = time.time()  # validation time is not training time
                 if out_of_time:
                     args.max_steps = self.step
             if self.batch_in_epoch >= len(batches):
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        self.average()
-        self.log({"event": "done", "step": self.step, "best": self.best, "wall": round(self.wall, 1)})
-        sys.stderr.write(f"\ndone: step {self.step}, best valid {self.best:.2f}, checkpoint {self.out}\n")
+        if procs.is_main:
+            self.average()
+        # one digest per process: data parallelism must leave every replica identical
+        digests = procs.gather(weights_digest(self.model))
+        self.log({"event": "done", "step": self.step, "best": self.best, "wall": round(self.wall, 1),
+                  "weights_sha256": digests})
+        if procs.is_main:
+            sys.stderr.write(f"\ndone: step {self.step}, best valid {self.best:.2f}, checkpoint {self.out}\n")
 
 
 def main(argv=None):
-    Trainer(parse_args(argv)).run()
+    args = parse_args(argv)
+    procs = start(args.device)
+    Trainer(args, procs).run()
+    procs.close()
 
 
 if __name__ == "__main__":

@@ -80,8 +80,11 @@ class Batch:
         finished (already removed from the batch; their on_done is the caller's to trigger)."""
         log_probs = self._constrain(log_probs.float())
         vocab = log_probs.shape[1]
-        cand = self.scores[:, None] + log_probs  # (R, V)
-        # One top-k for every sequence: pad each sequence's rows to the widest with -inf rows.
+        beam_max = max(s.options.beam for s in self.seqs)
+        # Two-stage top-k: the best 2*beam tokens of each row, then the best 2*beam of each
+        # sequence among its rows' candidates (the same set as one top-k over rows x vocab).
+        row_scores, row_tokens = (self.scores[:, None] + log_probs).topk(min(2 * beam_max, vocab), dim=1)
+        per_row = row_scores.shape[1]
         width = max(self.counts)
         index = torch.full((len(self.seqs), width), self.rows, dtype=torch.long)
         starts, r = [], 0
@@ -89,10 +92,11 @@ class Batch:
             index[i, :c] = torch.arange(r, r + c)
             starts.append(r)
             r += c
-        padded = torch.cat([cand, cand.new_full((1, vocab), NEG_INF)])[index].view(len(self.seqs), -1)
-        k = min(2 * max(s.options.beam for s in self.seqs), padded.shape[1])
-        top_scores, top_ids = padded.topk(k, dim=1)
-        top_scores, top_ids = top_scores.tolist(), top_ids.tolist()
+        padded = torch.cat([row_scores, row_scores.new_full((1, per_row), NEG_INF)])[index].view(len(self.seqs), -1)
+        k = min(2 * beam_max, padded.shape[1])
+        top_scores, top_pos = padded.topk(k, dim=1)
+        top_scores, top_pos = top_scores.tolist(), top_pos.tolist()
+        row_tokens = row_tokens.tolist()
 
         eos = self.cfg.eos_id
         keep_rows, new_tokens, new_scores, new_counts, alive, done = [], [], [], [], [], []
@@ -104,7 +108,8 @@ class Batch:
                 s = top_scores[i][j]
                 if s == NEG_INF:
                     break
-                row, t = starts[i] + top_ids[i][j] // vocab, top_ids[i][j] % vocab
+                row = starts[i] + top_pos[i][j] // per_row
+                t = row_tokens[row][top_pos[i][j] % per_row]
                 if t == eos or last:
                     if j < beam:  # only candidates that rank inside the beam may finish
                         tokens = self.history[row] + ([] if t == eos else [t])

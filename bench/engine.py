@@ -1,0 +1,313 @@
+"""python -m bench engine [--checkpoint models/multi30k-de-en] [--gret-checkpoint DIR] [--quick]
+
+Offline decoding speed, side by side in one run: a test split, beam 4, batches of 32 sentences
+(length-sorted), the same token ids into every system:
+  pytorch          training.search.beam_search on the checkpoint (eager PyTorch, the reference)
+  engine-torch     our continuous-batching engine on the PyTorch backend
+  engine-onnx-fp32 / engine-onnx-int8   our engine on ONNX Runtime (the server's default backend)
+  ct2-fp32 / ct2-int8                   CTranslate2's own beam search on the same weights
+  gret-*           the same engine on a GRET checkpoint (--gret-checkpoint), if given
+Systems take turns batch by batch, each batch starting with a different system, so load from
+other processes on a shared machine hits all of them alike; ratios are computed per batch and
+reported as medians with their spread. Per system: target tokens/s, sentences/s, BLEU of its
+own output (a speed-up that changes translations shows here), the share of outputs identical to
+the PyTorch reference, resident memory. Writes docs/results/bench-engine.json and a bar chart.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from export.ct2_runtime import Ct2Translator
+from export.manifest import sha256
+from export.repository import write_repository
+from export.spec import signature_digest
+from server.backends import OnnxBackend, TorchBackend
+from server.engine.engine import Engine
+from server.engine.options import DecodingOptions, Limits
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence
+from training import search
+from training.checkpoint import WEIGHTS, load_checkpoint
+from training.data import PROJECT_ROOT, encode_source, load_examples, pad
+from training.metrics import bleu
+
+RESULTS = PROJECT_ROOT / "docs" / "results"
+REFERENCE, BASELINE = "pytorch", "ct2-int8"
+TARGETS = {"best_engine_vs_ct2_int8": 1.0, "gret_vs_vanilla": 0.9, "best_engine_vs_pytorch": 10.0}
+
+
+class PyTorchReference:
+    def __init__(self, model, options: DecodingOptions):
+        self.model, self.o = model, options
+
+    def decode(self, batch: list[list[int]]) -> list[list[int]]:
+        hyps = search.beam_search(self.model, pad(batch), beam=self.o.beam, length_penalty=self.o.length_penalty,
+                                  max_len_a=self.o.max_len_a, max_len_b=self.o.max_len_b)
+        return [h[0].tokens for h in hyps]
+
+
+class OurEngine:
+    """The server's engine driven on this thread: the batch is submitted at once, like a server
+    receiving 32 texts together."""
+
+    def __init__(self, backend, options: DecodingOptions):
+        self.engine = Engine(backend, "bench", Scheduler("continuous", max_batch_tokens=1 << 30, max_waiting=1 << 20))
+        self.o, self.cfg = options, backend.cfg
+
+    def decode(self, batch: list[list[int]]) -> list[list[int]]:
+        limit = lambda n: self.o.output_limit(n, self.cfg.max_positions - 1, Limits())  # noqa: E731
+        seqs = [Sequence(src, self.o, limit(len(src)), on_done=lambda s: None) for src in batch]
+        self.engine.submit(seqs)
+        self.engine.run_until_idle()
+        return [s.hypotheses[0].tokens if s.hypotheses else [] for s in seqs]
+
+
+class CTranslate2:
+    def __init__(self, repo: Path, precision: str, threads: int, options: DecodingOptions):
+        self.t, self.o = Ct2Translator(repo, precision=precision, threads=threads), options
+
+    def decode(self, batch: list[list[int]]) -> list[list[int]]:
+        out = self.t.translate(batch, beam=self.o.beam, length_penalty=self.o.length_penalty,
+                               max_len_a=self.o.max_len_a, max_len_b=self.o.max_len_b)
+        return [n_best[0].tokens for n_best in out]
+
+
+class MemorySampler:
+    """Peak resident memory of this process while a system decodes (sampled every 5 ms)."""
+
+    def __init__(self):
+        self.process, self.peak, self._on = psutil.Process(), 0, False
+
+    def __enter__(self):
+        self.peak, self._on = self.process.memory_info().rss, True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while self._on:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self._on = False
+        self._thread.join()
+
+
+def build_systems(checkpoint: Path, gret: Path | None, build: Path, threads: int, options: DecodingOptions,
+                  quick: bool) -> tuple[dict, dict]:
+    """name -> system, and name -> resident bytes its loading added."""
+    torch.set_num_threads(threads)
+    process = psutil.Process()
+    systems, memory = {}, {}
+
+    def add(name, make):
+        before = process.memory_info().rss
+        systems[name] = make()
+        memory[name] = process.memory_info().rss - before
+
+    model, _, _ = load_checkpoint(checkpoint)
+    onnx = export(checkpoint, build / "onnx", "onnx")
+    ct2 = export(checkpoint, build / "ct2", "ct2")
+    add(REFERENCE, lambda: PyTorchReference(model, options))
+    add("engine-torch", lambda: OurEngine(TorchBackend(model, threads), options))
+    add("engine-onnx-fp32", lambda: OurEngine(OnnxBackend(onnx, "fp32", threads), options))
+    add("engine-onnx-int8", lambda: OurEngine(OnnxBackend(onnx, "int8", threads), options))
+    add("ct2-fp32", lambda: CTranslate2(ct2, "fp32", threads, options))
+    add(BASELINE, lambda: CTranslate2(ct2, "int8", threads, options))
+    if gret is not None:
+        gret_onnx = export(gret, build / "gret-onnx", "onnx")
+        add("gret-engine-onnx-fp32", lambda: OurEngine(OnnxBackend(gret_onnx, "fp32", threads), options))
+        add("gret-engine-onnx-int8", lambda: OurEngine(OnnxBackend(gret_onnx, "int8", threads), options))
+    if quick:  # CI smoke: fewer systems, same code paths
+        for name in ("engine-torch", "ct2-fp32"):
+            systems.pop(name), memory.pop(name)
+    return systems, memory
+
+
+def export(checkpoint: Path, out: Path, fmt: str) -> Path:
+    """A repository with fp32 + int8, reused when it was built from the same weights."""
+    stamp = out / "weights.sha256"
+    weights = sha256(checkpoint / WEIGHTS) + signature_digest(load_checkpoint(checkpoint)[1].model)
+    if not (stamp.exists() and stamp.read_text() == weights):
+        write_repository(checkpoint, out, fmt=fmt, quantize="int8", overwrite=True)
+        stamp.write_text(weights)
+    return out
+
+
+def run(systems: dict, batches: list[list[int]]) -> tuple[dict, dict, dict]:
+    """Every system decodes every batch, turns rotating. Returns outputs, seconds per batch and
+    peak RSS per system."""
+    names = list(systems)
+    outputs = {n: [] for n in names}
+    seconds = {n: [] for n in names}
+    peak = {n: 0 for n in names}
+    for i, batch in enumerate(batches):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for name in order:
+            with MemorySampler() as sampler:
+                start = time.perf_counter()
+                out = systems[name].decode(batch)
+                seconds[name].append(time.perf_counter() - start)
+            peak[name] = max(peak[name], sampler.peak)
+            outputs[name].append(out)
+    return outputs, seconds, peak
+
+
+def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs) -> dict:
+    figures = {}
+    for name in systems:
+        tokens = [t for batch in outputs[name] for t in batch]
+        restored = [None] * len(tokens)
+        for position, i in enumerate(order):
+            restored[i] = tokens[position]
+        total = sum(seconds[name])
+        n_tokens = sum(len(t) + 1 for t in restored)  # EOS counts: it is decoded too
+        figures[name] = {
+            "seconds": round(total, 3),
+            "sentences_per_s": round(len(restored) / total, 2),
+            "target_tokens_per_s": round(n_tokens / total, 1),
+            "bleu": round(bleu([sp.decode(t) for t in restored], refs), 2),
+            "identical_to_pytorch": None,
+            "load_rss_mb": round(memory[name] / 2**20, 1),
+            "peak_rss_mb": round(peak[name] / 2**20, 1),
+            "_tokens": restored,
+        }
+    reference = figures[REFERENCE]["_tokens"]
+    for name, f in figures.items():
+        f["identical_to_pytorch"] = round(sum(a == b for a, b in zip(f.pop("_tokens"), reference)) / len(reference), 4)
+        for base in (REFERENCE, BASELINE):
+            if base in seconds:
+                ratios = [b / s for s, b in zip(seconds[name], seconds[base])]  # > 1: faster than base
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                f[f"speed_vs_{base}"] = {"median": round(statistics.median(ratios), 3), "q1": round(q[0], 3),
+                                         "q3": round(q[2], 3), "total": round(sum(seconds[base]) / sum(seconds[name]), 3)}
+    return figures
+
+
+def targets(figures: dict) -> dict:
+    engines = {n: f for n, f in figures.items() if n.startswith("engine-")}
+    best = max(engines, key=lambda n: engines[n]["speed_vs_" + BASELINE]["median"]) if BASELINE in figures else \
+        max(engines, key=lambda n: engines[n]["speed_vs_" + REFERENCE]["median"])
+    out = {"best_engine": best}
+    if BASELINE in figures:
+        out["best_engine_vs_ct2_int8"] = {"target": TARGETS["best_engine_vs_ct2_int8"],
+                                          "measured": figures[best]["speed_vs_" + BASELINE]["median"]}
+    out["best_engine_vs_pytorch"] = {"target": TARGETS["best_engine_vs_pytorch"],
+                                     "measured": figures[best]["speed_vs_" + REFERENCE]["median"]}
+    for precision in ("fp32", "int8"):
+        gret, vanilla = f"gret-engine-onnx-{precision}", f"engine-onnx-{precision}"
+        if gret in figures and vanilla in figures:
+            ratio = figures[gret]["target_tokens_per_s"] / figures[vanilla]["target_tokens_per_s"]
+            out[f"gret_vs_vanilla_{precision}"] = {"target": TARGETS["gret_vs_vanilla"], "measured": round(ratio, 3),
+                                                   "note": "target tokens/s; the two models' outputs differ"}
+    for v in out.values():
+        if isinstance(v, dict):
+            v["met"] = v["measured"] >= v["target"]
+    return out
+
+
+def plot(figures: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(figures)
+    medians = [figures[n]["speed_vs_" + BASELINE]["median"] if BASELINE in figures else
+               figures[n]["speed_vs_" + REFERENCE]["median"] for n in names]
+    low = [m - (figures[n]["speed_vs_" + (BASELINE if BASELINE in figures else REFERENCE)]["q1"]) for n, m in
+           zip(names, medians)]
+    high = [figures[n]["speed_vs_" + (BASELINE if BASELINE in figures else REFERENCE)]["q3"] - m for n, m in
+            zip(names, medians)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(names, medians, xerr=[low, high], color=["#4c72b0" if "engine" in n else "#999999" for n in names])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(f"speed relative to {BASELINE if BASELINE in figures else REFERENCE} (median over batches, IQR)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=PROJECT_ROOT / "models" / "multi30k-de-en")
+    p.add_argument("--gret-checkpoint", type=Path, help="a GRET checkpoint of the same task, for GRET vs vanilla")
+    p.add_argument("--split", default="test_2016_flickr")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--limit", type=int, default=0, help="first N sentences only")
+    p.add_argument("--build-dir", type=Path, help="where exported repositories are kept (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="CI smoke run: 64 sentences, fewer systems")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench-engine.json")
+    args = p.parse_args(argv)
+    model, ckpt, sp = load_checkpoint(args.checkpoint)
+    examples = load_examples(ckpt.data.dataset, args.split, ckpt.data.src_lang, ckpt.data.tgt_lang)
+    examples = examples[: 64 if args.quick else (args.limit or None)]
+    ids = [encode_source(sp, e.source, ckpt.data.max_src_len) for e in examples]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches = [[ids[i] for i in order[k: k + args.batch]] for k in range(0, len(order), args.batch)]
+    options = DecodingOptions(beam=args.beam)
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        build = args.build_dir or Path(tmp)
+        systems, memory = build_systems(args.checkpoint, args.gret_checkpoint, build, args.threads, options, args.quick)
+        outputs, seconds, peak = run(systems, batches)
+    figures = summarise(systems, memory, outputs, seconds, peak, batches, order, sp, [e.refs for e in examples])
+    result = {
+        "command": "python -m bench engine " + " ".join(argv or []),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
+        "settings": {"checkpoint": str(args.checkpoint), "gret_checkpoint": str(args.gret_checkpoint or ""),
+                     "split": args.split, "sentences": len(ids), "batch": args.batch, "beam": args.beam,
+                     "threads": args.threads, "quick": args.quick},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+                    "load_average_end": os.getloadavg()},
+        "versions": _versions(),
+        "systems": figures,
+        "targets": targets(figures),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plot_path = args.out.with_suffix(".png")
+    plot(figures, plot_path, f"{args.split}, beam {args.beam}, batch {args.batch}, {args.threads} threads")
+    result["plot"] = plot_path.name
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, f in figures.items():
+        print(f"{name:24s} {f['sentences_per_s']:7.1f} sent/s {f['target_tokens_per_s']:8.1f} tok/s  "
+              f"BLEU {f['bleu']:5.2f}  identical {f['identical_to_pytorch']:.3f}  "
+              f"x{BASELINE if BASELINE in figures else REFERENCE} "
+              f"{f['speed_vs_' + (BASELINE if BASELINE in figures else REFERENCE)]['median']:.2f}")
+    print(json.dumps(result["targets"], indent=2))
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=PROJECT_ROOT).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _versions() -> dict:
+    import ctranslate2
+    import onnxruntime
+
+    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "ctranslate2": ctranslate2.__version__,
+            "python": platform.python_version()}
