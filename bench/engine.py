@@ -33,7 +33,7 @@ import torch
 from export.ct2_runtime import Ct2Translator
 from export.manifest import sha256
 from export.repository import write_repository
-from export.spec import signature_digest
+from export.spec import export_digest
 from server.backends import OnnxBackend, TorchBackend
 from server.engine.engine import Engine
 from server.engine.options import DecodingOptions, Limits
@@ -141,7 +141,7 @@ def build_systems(checkpoint: Path, gret: Path | None, build: Path, threads: int
 def export(checkpoint: Path, out: Path, fmt: str) -> Path:
     """A repository with fp32 + int8, reused when it was built from the same weights."""
     stamp = out / "weights.sha256"
-    weights = sha256(checkpoint / WEIGHTS) + signature_digest(load_checkpoint(checkpoint)[1].model)
+    weights = sha256(checkpoint / WEIGHTS) + export_digest(load_checkpoint(checkpoint)[1].model)
     if not (stamp.exists() and stamp.read_text() == weights):
         write_repository(checkpoint, out, fmt=fmt, quantize="int8", overwrite=True)
         stamp.write_text(weights)

@@ -71,11 +71,11 @@ class DecoderGraph(nn.Module):
         row_sentence = named.get("row_sentence")
         per_row = lambda t: None if t is None else t.index_select(0, row_sentence)  # noqa: E731
         global_state, gate_source = per_row(enc.global_state), per_row(enc.gate_source)  # GRET's s^M, Gs
-        # One transposed copy of the tied embedding serves both the lookup and the output
-        # projection; Seq2Seq.output's F.linear would leave a second (V, D) copy in the file.
-        table = m.embed.weight.t()  # (D, V)
+        # The lookup gathers rows of the (V, D) table; the output projection multiplies by its
+        # transpose, which export folds into a second (D, V) constant (gathering columns of one
+        # transposed copy cost ONNX Runtime as much as all the LayerNorms of a step).
         position = m.positions.index_select(0, positions)[:, None]  # (R, 1, D)
-        x = table.index_select(1, tokens).t()[:, None] * math.sqrt(m.cfg.d_model) + position  # (R, 1, D)
+        x = m.embed.weight.index_select(0, tokens)[:, None] * math.sqrt(m.cfg.d_model) + position  # (R, 1, D)
         self_pad = torch.cat([past_pad, torch.zeros_like(tokens, dtype=torch.bool)[:, None]], 1)  # new key: never padding
         present = []
         groups = (named["group_rows"], named["row_slot"])
@@ -87,7 +87,7 @@ class DecoderGraph(nn.Module):
             r = m.context_gate(r[:, None, None], global_state, gate_source)[:, 0, 0]
         elif global_state is not None:
             r = r + global_state
-        log_probs = torch.log_softmax((r @ table).float(), -1)
+        log_probs = torch.log_softmax((r @ m.embed.weight.t()).float(), -1)
         return (log_probs, *present)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from training.config import ModelConfig
 
@@ -110,11 +111,14 @@ def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, GraphSpec]:
     return encoder_spec(cfg), decoder_spec(cfg)
 
 
-def signature_digest(cfg: ModelConfig) -> str:
-    """8 hex digits that change whenever the graphs' inputs or outputs do: built repositories are
-    cached under it, so code with a new graph signature never loads an old export."""
+def export_digest(cfg: ModelConfig) -> str:
+    """8 hex digits that change with the graphs' signature or the code that builds them: exported
+    repositories are cached under it, so new code never serves an old export."""
     shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
-    return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(json.dumps(shapes).encode())
+    for module in ("graphs.py", "onnx_export.py", "quantize.py"):
+        digest.update((Path(__file__).parent / module).read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def unclaimed_weights(parameter_names: list[str], specs: tuple[GraphSpec, ...]) -> list[str]:

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from export.manifest import MANIFEST, TASKS, read_manifest, sha256
 from export.repository import write_repository
-from export.spec import signature_digest
+from export.spec import export_digest
 from training.checkpoint import SPM, WEIGHTS, load_checkpoint
 from training.config import Checkpoint, ModelConfig
 from training.data import load_sentencepiece
@@ -162,7 +162,7 @@ def build_repository(checkpoint: Path, cache: Path, verify: Callable[[Path, Path
     now. verify(checkpoint, repo) runs once per build; it raises ModelError to refuse the build."""
     key = sha256(checkpoint / WEIGHTS)[:12]
     try:
-        graphs = signature_digest(Checkpoint.load(checkpoint).model)
+        graphs = export_digest(Checkpoint.load(checkpoint).model)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{checkpoint / 'config.json'}: {e}") from e
     repo = cache / f"{checkpoint.name}-{key}-{graphs}"

@@ -52,6 +52,18 @@ def evaluate(model, sp, ckpt, beam: int) -> dict:
     return results
 
 
+def serving_section(name: str) -> list[str]:
+    return [
+        "## Serve",
+        "`make serve` loads this checkpoint: on first start the server exports it to an ONNX model repository "
+        "(fp32 + int8 graphs) in its build cache and checks that the served model reproduces the validation score "
+        "below. The same repository by hand:",
+        "```",
+        f"python -m export --checkpoint models/{name} --out runs/{name}-onnx --quantize int8",
+        "```",
+    ]
+
+
 def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command: str) -> str:
     data, tr = ckpt.data, ckpt.training
     m = ckpt.model
@@ -82,6 +94,8 @@ def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command
         f"python -m training.ship --checkpoint {tr.get('args', {}).get('out', 'runs/NAME')} --out models/{name} "
         f"--beam {beam}",
         "```",
+        "",
+        *serving_section(name),
         "",
         f"## Metrics (beam {beam}, detokenised sacreBLEU / chrF or ROUGE F1; measured by `training.ship`)",
         "",
