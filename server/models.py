@@ -82,7 +82,7 @@ def is_checkpoint(folder: Path) -> bool:
 
 def load_entry(folder: Path, backend: str, build_cache: Path | None = None,
                verify: Callable[[Path, Path], dict] | None = None) -> ModelEntry:
-    """A servable description of `folder` for `backend`; builds the ONNX repository if needed."""
+    """A servable description of `folder` for `backend`; builds the repository if needed."""
     folder = Path(folder)
     if is_repository(folder):
         return from_repository(folder, backend)
@@ -91,10 +91,7 @@ def load_entry(folder: Path, backend: str, build_cache: Path | None = None,
     check_checkpoint(folder)
     if backend == "torch":
         return _from_checkpoint(folder)
-    if backend != "onnx":
-        raise ModelError(f"{folder} is a checkpoint; the {backend} backend needs a repository made with "
-                         f"`python -m export --checkpoint {folder} --format {backend} --out DIR`")
-    repo = build_repository(folder, build_cache or cache_root(), verify)
+    repo = build_repository(folder, build_cache or cache_root(), verify, backend)
     return from_repository(repo, backend, checkpoint=folder)
 
 
@@ -135,7 +132,8 @@ def from_repository(folder: Path, backend: str, checkpoint: Path | None = None) 
         cfg = ModelConfig.from_dict(manifest["model_config"])
         sp = load_sentencepiece(folder / manifest["tokenizer"]["file"])
         if manifest["backend"] != backend:
-            raise ModelError(f"{folder} is a {manifest['backend']} repository; the server is configured for {backend}")
+            raise ModelError(f"{folder} holds a model for the {manifest['backend']} backend; the server is configured "
+                         f"for {backend}")
         if manifest["task"] not in TASKS:
             raise ModelError(f"{path}: task {manifest['task']!r} is not one of {', '.join(TASKS)}")
         arch = manifest["architecture"]
@@ -157,26 +155,28 @@ def _recorded(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def build_repository(checkpoint: Path, cache: Path, verify: Callable[[Path, Path], dict] | None) -> Path:
-    """The ONNX repository (fp32 + int8 graphs) for a checkpoint, from the build cache or exported
-    now. verify(checkpoint, repo) runs once per build; it raises ModelError to refuse the build."""
+def build_repository(checkpoint: Path, cache: Path, verify: Callable[[Path, Path], dict] | None,
+                     fmt: str = "onnx") -> Path:
+    """The repository (fp32 + int8) of format `fmt` (onnx | ct2) for a checkpoint, from the build
+    cache or exported now. verify(checkpoint, repo) runs once per build; it raises ModelError to
+    refuse the build. A checkpoint CTranslate2 cannot hold is refused with export's reason."""
     key = sha256(checkpoint / WEIGHTS)[:12]
     try:
         graphs = export_digest(Checkpoint.load(checkpoint).model)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{checkpoint / 'config.json'}: {e}") from e
-    repo = cache / f"{checkpoint.name}-{key}-{graphs}"
+    repo = cache / f"{checkpoint.name}-{key}-{fmt}-{graphs}"
     if (repo / MANIFEST).exists() and (not verify or (repo / VERIFY_FILE).exists()):
-        log.info("model %s: using the ONNX repository built earlier at %s", checkpoint.name, repo)
+        log.info("model %s: using the %s repository built earlier at %s", checkpoint.name, fmt, repo)
         return repo
     if not (repo / MANIFEST).exists():
-        log.info("model %s: first start, exporting the checkpoint to ONNX at %s", checkpoint.name, repo)
+        log.info("model %s: first start, exporting the checkpoint (%s) to %s", checkpoint.name, fmt, repo)
         start = time.monotonic()
         try:
-            write_repository(checkpoint, repo, fmt="onnx", quantize="int8", name=checkpoint.name, version=key,
+            write_repository(checkpoint, repo, fmt=fmt, quantize="int8", name=checkpoint.name, version=key,
                              overwrite=True)
         except (OSError, ValueError) as e:
-            raise ModelError(f"{checkpoint}: export to ONNX failed: {e}") from e
+            raise ModelError(f"{checkpoint}: export ({fmt}) failed: {e}") from e
         log.info("model %s: exported in %.1f s", checkpoint.name, time.monotonic() - start)
     if verify is not None:
         result = verify(checkpoint, repo)

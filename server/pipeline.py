@@ -12,12 +12,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from export.ct2_runtime import Ct2Translator
+from export.manifest import read_manifest
 from kernels.encoder_cache import EncoderCache
 from training.checkpoint import load_checkpoint
 from training.config import Checkpoint
 from training.data import EOS
 
 from .backends import OnnxBackend, TorchBackend
+from .ct2_engine import Ct2Engine
 from .engine.engine import Engine, Observer
 from .engine.options import DecodingOptions, Limits
 from .engine.scheduler import Scheduler
@@ -35,6 +38,8 @@ class InputError(ValueError):
 def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threads: int = 1):
     if backend == "onnx":
         return OnnxBackend(entry.repository, precision=precision, threads=threads)
+    if backend == "ct2":
+        return Ct2Translator(entry.repository, precision=precision, threads=threads)
     if backend == "torch":
         if entry.checkpoint is None:
             raise ModelError(f"model {entry.name}: the torch backend needs the checkpoint, not a repository")
@@ -104,8 +109,12 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
                    policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
                    cache_bytes: int = 256 << 20, limits: Limits = Limits(),
                    observer: Observer | None = None) -> Pipeline:
-    engine = Engine(make_backend(entry, backend, precision, threads), entry.version,
-                    Scheduler(policy, max_batch_tokens, max_queue), EncoderCache(cache_bytes), observer, entry.name)
+    if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
+        engine = Ct2Engine(make_backend(entry, backend, precision, threads), entry.version,
+                           Scheduler("request", max_batch_tokens, max_queue), EncoderCache(0), observer, entry.name)
+    else:
+        engine = Engine(make_backend(entry, backend, precision, threads), entry.version,
+                        Scheduler(policy, max_batch_tokens, max_queue), EncoderCache(cache_bytes), observer, entry.name)
     return Pipeline(entry, engine, limits, backend, precision)
 
 
@@ -125,7 +134,8 @@ def verify_build(checkpoint: Path, repo: Path, threads: int = 2) -> dict:
     metric = "bleu" if data.task == "translate" else "rouge1"
     examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
     offline = Limits(max_texts=len(examples), max_text_chars=1 << 20)  # a whole split, long articles too
-    pipeline = build_pipeline(from_repository(repo, "onnx", checkpoint), threads=threads, limits=offline)
+    backend = read_manifest(repo, verify=False)["backend"]
+    pipeline = build_pipeline(from_repository(repo, backend, checkpoint), backend, threads=threads, limits=offline)
     start = time.monotonic()
     hyps = pipeline.decode([e.source for e in examples], DecodingOptions(beam=recorded.get("beam", 4)), truncate=True)
     refs = [e.refs for e in examples]

@@ -188,3 +188,26 @@ def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp
     assert 'gret_serve_encoder_cache_misses_total{model="tiny-de-en"} 1.0' in body
     assert "gret_serve_rows_per_step_bucket" in body and "gret_serve_model_info{" in body
     assert "Geheimnis" not in body and "Katze" not in body
+
+
+# ---- the CTranslate2 backend ----------------------------------------------------------------------------
+def test_the_ct2_backend_serves_a_vanilla_model_with_the_same_outputs(models, client, tmp_path):
+    texts = ["A dog runs on the beach.", "Two men are playing soccer in a park.", "A woman reads a book."]
+    expected = [r.hypotheses[0].text for r in client.translate(texts, target="de", beam_size=4).results]
+    running = RunningServer(config_for(models, tmp_path, backend="ct2", models=["tiny-en-de"]))
+    try:
+        with Client(running.address, timeout=60) as ct2:
+            assert ct2.list_models()[0].backend == "ct2"
+            response = ct2.translate(texts, target="de", beam_size=4)
+    finally:
+        running.stop()
+    assert [r.hypotheses[0].text for r in response.results] == expected
+
+
+def test_the_ct2_backend_refuses_a_gret_model_at_start_and_says_why(models, tmp_path):
+    from server.models import ModelError
+    from server.registry import Registry
+
+    checkpoints = models.parent / "runs"  # de-en: the GRET checkpoint behind tiny-de-en
+    with pytest.raises(ModelError, match="GRET"):
+        Registry.load(config_for(checkpoints, tmp_path, backend="ct2", models=["de-en"]))
