@@ -41,20 +41,23 @@ def masked_mean(h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
 
 
 def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
-                              detach: bool = False) -> torch.Tensor:
-    """h: (G, S, D), pad: (G, S) True = pad, w: (K, D, d_c). Returns capsules U: (G, K, d_c)."""
+                              detach: bool = False, coupling: bool = False):
+    """h: (G, S, D), pad: (G, S) True = pad, w: (K, D, d_c). Returns capsules U: (G, K, d_c), and
+    with `coupling` also the last iteration's coupling coefficients c (G, K, S) (diagnostics)."""
     n_caps = w.shape[0]
     pooled = masked_mean(h, pad)[:, None, :].expand(-1, n_caps, -1)  # iteration 1: uniform c
+    c = (~pad).float()[:, None, :].expand(-1, n_caps, -1) / (~pad).sum(-1).clamp(min=1)[:, None, None]
     z = None
     for t in range(iters):
         if t > 0:
             logits = torch.einsum("gkd,gsd->gks", z, h).float().masked_fill(pad[:, None, :], float("-inf"))
-            pooled = torch.einsum("gks,gsd->gkd", torch.softmax(logits, -1).to(h.dtype), h)
+            c = torch.softmax(logits, -1)
+            pooled = torch.einsum("gks,gsd->gkd", c.to(h.dtype), h)
         u = squash(torch.einsum("gkd,kdc->gkc", pooled, w))
         if t < iters - 1:
             step = torch.einsum("gkc,kdc->gkd", u.detach() if detach else u, w)
             z = step if z is None else z + step
-    return u
+    return (u, c) if coupling else u
 
 
 # ---- dispatcher ---------------------------------------------------------------------------

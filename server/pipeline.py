@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,7 @@ from training.data import EOS
 
 from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine
+from .diagnostics import gret_diagnostics
 from .engine.engine import Engine, Observer
 from .engine.options import DecodingOptions, Limits
 from .engine.scheduler import Scheduler
@@ -53,6 +55,8 @@ class Pipeline:
         self.backend, self.precision = backend, precision
         self.summarize = entry.task == "summarize"
         self._tagger = None
+        self._torch_model = None  # loaded on the first diagnostics request
+        self._torch_lock = threading.Lock()
 
     # ---- text -> sequences -------------------------------------------------------------------
     def sequences(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
@@ -88,6 +92,22 @@ class Pipeline:
         if self._tagger is None:
             self._tagger = get_tagger(self.entry.source_language)
         return align_tags([subword_tags(text, self.entry.source_language, self.entry.sp, self._tagger)], [src])[0]
+
+    # ---- GRET diagnostics -------------------------------------------------------------------
+    def check_diagnostics(self) -> None:
+        e = self.entry
+        if not e.cfg.gret:
+            raise InputError(f"model {e.name} is not a GRET model (no global sentence state): no diagnostics")
+        if e.checkpoint is None:
+            raise InputError(f"model {e.name} was loaded from an exported repository; diagnostics need its checkpoint")
+
+    def diagnostics(self, seq: Sequence) -> tuple[list[float], float]:
+        """server.diagnostics for the best hypothesis (blocking: call it off the event loop)."""
+        with self._torch_lock:
+            if self._torch_model is None:
+                self._torch_model = load_checkpoint(self.entry.checkpoint)[0]
+        tokens = seq.hypotheses[0].tokens if seq.hypotheses else []
+        return gret_diagnostics(self._torch_model, seq.src, tokens, seq.tags)
 
     # ---- sequences -> text ------------------------------------------------------------------
     def texts(self, seq: Sequence) -> list[str]:

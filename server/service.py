@@ -92,8 +92,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 self._cancel(pipeline, seqs)
                 raise
             self._raise_failures(seqs)
-            response = pb.GenerateResponse(model=model, model_version=pipeline.entry.version,
-                                           results=[self._result(pipeline, i, s) for i, s in enumerate(seqs)])
+            results = [await self._result(pipeline, i, s) for i, s in enumerate(seqs)]
+            response = pb.GenerateResponse(model=model, model_version=pipeline.entry.version, results=results)
         except CallError as e:
             self._count(model, method, e.code, start)
             await context.abort(e.code, e.message)
@@ -117,7 +117,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                         i = index[id(f)]
                         self._raise_failures([seqs[i]])
                         yield pb.GenerateResponse(model=model, model_version=pipeline.entry.version,
-                                                  results=[self._result(pipeline, i, seqs[i])])
+                                                  results=[await self._result(pipeline, i, seqs[i])])
             except (asyncio.CancelledError, CallError):
                 self._cancel(pipeline, seqs)
                 raise
@@ -138,7 +138,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise CallError(grpc.StatusCode.NOT_FOUND, str(e)) from None
         try:
             options = decoding_options(request.options).check(pipeline.limits)
-        except OptionError as e:
+            if options.diagnostics:
+                pipeline.check_diagnostics()
+        except (OptionError, InputError) as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -181,12 +183,17 @@ class InferenceService(pb_grpc.InferenceServicer):
                 raise CallError(FAILURE_CODES.get(s.status, grpc.StatusCode.INTERNAL), s.message)
 
     @staticmethod
-    def _result(pipeline: Pipeline, index: int, seq: Sequence) -> pb.TextResult:
+    async def _result(pipeline: Pipeline, index: int, seq: Sequence) -> pb.TextResult:
         scores = seq.options.return_scores
         hyps = [pb.Hypothesis(text=text, tokens=len(h.tokens), score=h.score if scores else 0.0,
                               log_prob=h.log_prob if scores else 0.0)
                 for text, h in zip(pipeline.texts(seq), seq.hypotheses)]
-        return pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src), encoder_cache_hit=seq.cache_hit)
+        result = pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src),
+                               encoder_cache_hit=seq.cache_hit)
+        if seq.options.diagnostics:  # a PyTorch pass: off the event loop
+            gate, agreement = await asyncio.get_running_loop().run_in_executor(None, pipeline.diagnostics, seq)
+            result.diagnostics.CopyFrom(pb.Diagnostics(gate=gate, routing_agreement=agreement))
+        return result
 
     def _label(self, name: str) -> str:
         """The model label of a call's metrics: a loaded model's name, else "" (a label per string a

@@ -211,3 +211,28 @@ def test_the_ct2_backend_refuses_a_gret_model_at_start_and_says_why(models, tmp_
     checkpoints = models.parent / "runs"  # de-en: the GRET checkpoint behind tiny-de-en
     with pytest.raises(ModelError, match="GRET"):
         Registry.load(config_for(checkpoints, tmp_path, backend="ct2", models=["de-en"]))
+
+
+# ---- GRET diagnostics ---------------------------------------------------------------------------------
+def test_gret_diagnostics_come_on_request_for_each_output_piece(models, tmp_path):
+    running = RunningServer(config_for(models.parent / "runs", tmp_path, models=["de-en"]))
+    try:
+        with Client(running.address, timeout=60) as c:
+            plain = c.translate(german(2), target="en").results
+            result = c.translate(german(2), target="en", return_diagnostics=True).results
+    finally:
+        running.stop()
+    assert not plain[0].HasField("diagnostics")
+    for r in result:
+        assert len(r.diagnostics.gate) == r.hypotheses[0].tokens
+        assert all(0.0 < g < 1.0 for g in r.diagnostics.gate)  # a sigmoid per piece
+        assert 0.0 < r.diagnostics.routing_agreement <= 1.0
+
+
+@pytest.mark.parametrize("target, message", [
+    ("en", "diagnostics need its checkpoint"),  # tiny-de-en: an exported repository only
+    ("de", "not a GRET model"),  # tiny-en-de: vanilla
+])
+def test_diagnostics_are_refused_where_they_cannot_be_computed(client, target, message):
+    got, details = status_of(lambda: client.translate(["Ein Hund."], target=target, return_diagnostics=True))
+    assert got == CODE.INVALID_ARGUMENT and message in details

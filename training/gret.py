@@ -56,12 +56,17 @@ class GlobalState(nn.Module):
         a = torch.softmax(torch.einsum("bkc,bc->bk", u, query), -1)
         return self.pool_out(torch.einsum("bk,bkc->bc", a, u))
 
-    def layer_vectors(self, views: list[torch.Tensor], pad: torch.Tensor) -> list[torch.Tensor]:
-        """x^m for the routed layers (all of them with `aggregate`, else the last only)."""
+    def routed_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The encoder layers that are routed (all of them with `aggregate`, else the last only)."""
         if not self.cfg.aggregate:
-            views = views[-1:]
-        elif self.cfg.pre_norm:  # the last view is already the encoder's final-LN output
-            views = [self.layer_norm(v) for v in views[:-1]] + views[-1:]
+            return views[-1:]
+        if self.cfg.pre_norm:  # the last view is already the encoder's final-LN output
+            return [self.layer_norm(v) for v in views[:-1]] + views[-1:]
+        return views
+
+    def layer_vectors(self, views: list[torch.Tensor], pad: torch.Tensor) -> list[torch.Tensor]:
+        """x^m for the routed layers."""
+        views = self.routed_views(views)
         if not self.cfg.capsule:
             return [masked_mean(v, pad) for v in views]
         m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
