@@ -236,3 +236,25 @@ def test_gret_diagnostics_come_on_request_for_each_output_piece(models, tmp_path
 def test_diagnostics_are_refused_where_they_cannot_be_computed(client, target, message):
     got, details = status_of(lambda: client.translate(["Ein Hund."], target=target, return_diagnostics=True))
     assert got == CODE.INVALID_ARGUMENT and message in details
+
+
+# ---- options and batching ------------------------------------------------------------------------------
+def test_options_are_honoured_n_best_count_and_max_length(client):
+    result = client.translate(german(1, offset=40), target="en", beam_size=5, n_best=3).results[0]
+    assert len(result.hypotheses) == 3
+    short = client.translate(german(3, offset=40), target="en", max_length=3).results
+    assert all(h.tokens <= 3 for r in short for h in r.hypotheses)
+
+
+def test_concurrent_calls_with_different_options_share_batches_and_match_one_at_a_time(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = german(8, offset=50)
+    options = [dict(beam_size=1 + i % 4, length_penalty=0.5 + 0.25 * (i % 3)) for i in range(8)]
+    alone = [client.translate([t], target="en", **o).results[0].hypotheses[0].text for t, o in zip(texts, options)]
+    with ThreadPoolExecutor(8) as pool:  # all in flight at once: the engine batches them together
+        together = list(pool.map(lambda to: client.translate([to[0]], target="en", **to[1]), zip(texts, options)))
+    assert [r.results[0].hypotheses[0].text for r in together] == alone
+    batched = client.translate(texts[:4], target="en", beam_size=3).results
+    singly = [client.translate([t], target="en", beam_size=3).results[0] for t in texts[:4]]
+    assert [r.hypotheses[0].text for r in batched] == [r.hypotheses[0].text for r in singly]
