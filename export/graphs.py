@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.context_gate import gated_output
+from kernels.cross_attention import grouped_cross_attention as grouped_cross_attention_kernel
 from training.layers import DecoderLayer
 from training.model import EncoderState, Seq2Seq
 
@@ -55,11 +57,13 @@ class DecoderGraph(nn.Module):
     """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
     past_pad, the per-sentence tensors, past K/V per layer), positionally in spec order ->
     log_probs (R, V), present K/V per layer (R, H, past_len + 1, d_h). Also the PyTorch backend
-    of the server, run eagerly (decoder_inputs() builds the inputs for both)."""
+    of the server, run eagerly (decoder_inputs() builds the inputs for both); there `kernels=True`
+    routes the cross-attention and the context gate through kernels' dispatchers (Triton on CUDA),
+    which tracing cannot follow."""
 
-    def __init__(self, model: Seq2Seq):
+    def __init__(self, model: Seq2Seq, kernels: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.kernels = model, kernels
         self.input_names = decoder_spec(model.cfg).input_names()
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,13 +84,20 @@ class DecoderGraph(nn.Module):
         present = []
         groups = (named["group_rows"], named["row_slot"])
         for i, (layer, memory) in enumerate(zip(m.decoder, enc.memory)):
-            x, (k, v) = layer_step(layer, x, memory, enc.src_pad, groups, past[2 * i], past[2 * i + 1], self_pad)
+            x, (k, v) = layer_step(layer, x, memory, enc.src_pad, groups, past[2 * i], past[2 * i + 1], self_pad,
+                                   self.kernels)
             present += [k, v]
-        r = m.dec_norm(x[:, 0])  # Seq2Seq.output with beam = 1, on per-row GRET tensors
-        if global_state is not None and m.context_gate is not None:
-            r = m.context_gate(r[:, None, None], global_state, gate_source)[:, 0, 0]
-        elif global_state is not None:
-            r = r + global_state
+        # Seq2Seq.output with beam = 1, on per-row GRET tensors
+        if m.context_gate is not None and self.kernels:  # LN_out + gate as one kernel on CUDA
+            norm = m.dec_norm
+            params = (norm.weight, norm.bias, norm.eps) if isinstance(norm, nn.LayerNorm) else None
+            r = gated_output(x, m.context_gate.w_r.weight, global_state, gate_source, 1, params)[:, 0]
+        else:
+            r = m.dec_norm(x[:, 0])
+            if m.context_gate is not None:
+                r = m.context_gate(r[:, None, None], global_state, gate_source)[:, 0, 0]
+            elif global_state is not None:
+                r = r + global_state
         log_probs = torch.log_softmax((r @ m.embed.weight.t()).float(), -1)
         return (log_probs, *present)
 
@@ -103,7 +114,8 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
 
 
 def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, src_pad: torch.Tensor, groups, past_k: torch.Tensor,
-               past_v: torch.Tensor, self_pad: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               past_v: torch.Tensor, self_pad: torch.Tensor, kernels: bool = False
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """DecoderLayer.forward for one new position with a cache, stated again from the layer's own
     parts: forward() derives its causal flag from a shape, which the tracer turns into a tensor.
     The parity tests hold the two together."""
@@ -115,7 +127,7 @@ def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, src_pad: torch.Tens
         return layer.self_attn.attend(layer.self_attn.split(layer.self_attn.q(h)), *present, key_pad=self_pad)
 
     def cross_attention(h):
-        return grouped_cross_attention(layer.cross_attn, h, memory, src_pad, *groups)
+        return grouped_cross_attention(layer.cross_attn, h, memory, src_pad, *groups, kernels)
 
     x = layer.res_self(x, self_attention)
     x = layer.res_cross(x, cross_attention)
@@ -123,16 +135,21 @@ def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, src_pad: torch.Tens
 
 
 def grouped_cross_attention(attn, h: torch.Tensor, memory, src_pad: torch.Tensor, group_rows: torch.Tensor,
-                            row_slot: torch.Tensor) -> torch.Tensor:
+                            row_slot: torch.Tensor, kernels: bool = False) -> torch.Tensor:
     """MultiHeadAttention.attend over per-sentence K/V (B, H, S, d_h) for rows h (R, 1, D) grouped
     by sentence: queries (R, D) -> groups (B, W, D) (slot R is a zero query: padding) -> attention
     per sentence -> back to rows (R, 1, D)."""
     q = attn.q(h[:, 0])
     q = torch.cat([q, torch.zeros_like(q[:1])]).index_select(0, group_rows.flatten())
     q = attn.split(q.view(group_rows.shape[0], group_rows.shape[1], -1))  # (B, H, W, d_h)
-    out = F.scaled_dot_product_attention(q, *memory, attn_mask=~src_pad[:, None, None, :])
-    out = out.transpose(1, 2).flatten(2).flatten(0, 1).index_select(0, row_slot)  # (R, D)
-    return attn.o(out)[:, None]
+    if kernels:  # the W slots of a group are the dispatcher's `beam`: Triton on CUDA reads K/V once
+        width = group_rows.shape[1]
+        out = grouped_cross_attention_kernel(q.transpose(1, 2).flatten(0, 1)[:, :, None], *memory, src_pad, width)
+        out = out.flatten(1)  # (B * W, D)
+    else:
+        out = F.scaled_dot_product_attention(q, *memory, attn_mask=~src_pad[:, None, None, :])
+        out = out.transpose(1, 2).flatten(2).flatten(0, 1)  # (B * W, D)
+    return attn.o(out.index_select(0, row_slot))[:, None]
 
 
 def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, past_pad: torch.Tensor,

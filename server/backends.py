@@ -27,7 +27,7 @@ class TorchBackend:
     def __init__(self, model: Seq2Seq, threads: int | None = None):
         self.model = model.eval()
         self.cfg = model.cfg
-        self.decoder = DecoderGraph(model)
+        self.decoder = DecoderGraph(model, kernels=True)
         if threads:
             torch.set_num_threads(threads)
 

@@ -193,3 +193,26 @@ def test_a_draining_engine_finishes_its_work_and_refuses_more():
 def test_out_of_range_options_are_refused_by_name(options, message):
     with pytest.raises(OptionError, match=message):
         options.check(LIMITS)
+
+
+@pytest.mark.parametrize("name", ["gret_full", "multiview_gca"])
+def test_the_torch_backend_runs_the_kernels_dispatch_path_with_unchanged_outputs(name):
+    """The server's PyTorch backend calls the Triton kernels (here in the interpreter, forced)
+    for the beam-grouped cross-attention and the fused LayerNorm + context gate; the engine's
+    outputs are those of the reference math."""
+    from kernels.dispatch import force_triton
+
+    model = tiny_model(name)
+    srcs = sources(model, [6, 4, 7], seed=7)
+    outputs = []
+    for forced in (False, True):
+        engine = engine_for(model)
+        seqs = [make_seq(model, s, DecodingOptions(beam=b)) for s, b in zip(srcs, (3, 1, 2))]
+        engine.submit(seqs)
+        if forced:
+            with force_triton():
+                engine.run_until_idle()
+        else:
+            engine.run_until_idle()
+        outputs.append([[h.tokens for h in s.hypotheses] for s in seqs])
+    assert outputs[0] == outputs[1]
