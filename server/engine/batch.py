@@ -146,13 +146,19 @@ class Batch:
     # ---- internals -------------------------------------------------------------------------
     def _constrain(self, log_probs: torch.Tensor) -> torch.Tensor:
         """min_length (no EOS before that many tokens) and no_repeat_ngram, per row."""
-        too_short = [r for r, i in enumerate(self.row_seq.tolist()) if self.seqs[i].step < self.seqs[i].options.min_length]
-        if too_short:
-            log_probs[too_short, self.cfg.eos_id] = NEG_INF
-        for r, i in enumerate(self.row_seq.tolist()):
-            n = self.seqs[i].options.no_repeat_ngram
-            if n and len(self.history[r]) >= n - 1:
-                banned = banned_tokens(self.history[r], n)
+        constrained = [i for i, s in enumerate(self.seqs) if s.step < s.options.min_length or s.options.no_repeat_ngram]
+        if not constrained:  # the common case: nothing to do per row
+            return log_probs
+        starts = [0]
+        for c in self.counts:
+            starts.append(starts[-1] + c)
+        for i in constrained:
+            seq, rows = self.seqs[i], range(starts[i], starts[i + 1])
+            if seq.step < seq.options.min_length:
+                log_probs[list(rows), self.cfg.eos_id] = NEG_INF
+            n = seq.options.no_repeat_ngram
+            for r in rows if n else ():
+                banned = banned_tokens(self.history[r], n) if len(self.history[r]) >= n - 1 else []
                 if banned:
                     log_probs[r, banned] = NEG_INF
         return log_probs
