@@ -51,8 +51,8 @@ TARGETS = {"best_engine_vs_ct2_int8": 1.0, "gret_vs_vanilla": 0.9, "best_engine_
 
 
 class PyTorchReference:
-    def __init__(self, model, options: DecodingOptions):
-        self.model, self.o = model, options
+    def __init__(self, model, options: DecodingOptions, threads: int):
+        self.model, self.o, self.torch_threads = model, options, threads
 
     def decode(self, batch: list[list[int]]) -> list[list[int]]:
         hyps = search.beam_search(self.model, pad(batch), beam=self.o.beam, length_penalty=self.o.length_penalty,
@@ -64,9 +64,10 @@ class OurEngine:
     """The server's engine driven on this thread: the batch is submitted at once, like a server
     receiving 32 texts together."""
 
-    def __init__(self, backend, options: DecodingOptions):
+    def __init__(self, backend, options: DecodingOptions, torch_threads: int = 1):
         self.engine = Engine(backend, "bench", Scheduler("continuous", max_batch_tokens=1 << 30, max_waiting=1 << 20))
         self.o, self.cfg = options, backend.cfg
+        self.torch_threads = torch_threads  # as the server runs it: see server/__main__.py
 
     def decode(self, batch: list[list[int]]) -> list[list[int]]:
         limit = lambda n: self.o.output_limit(n, self.cfg.max_positions - 1, Limits())  # noqa: E731
@@ -83,6 +84,7 @@ class CTranslate2:
 
     def __init__(self, repo: Path, precision: str, threads: int, options: DecodingOptions):
         self.t, self.o = Ct2Translator(repo, precision=precision, threads=threads), options
+        self.torch_threads = 1  # unused by CTranslate2
 
     def decode(self, batch: list[list[int]]) -> list[list[int]]:
         limit = max(max_lengths(self.t.cfg, [len(s) for s in batch], self.o.max_len_a, self.o.max_len_b))
@@ -91,13 +93,15 @@ class CTranslate2:
 
 
 class MemorySampler:
-    """Peak resident memory of this process while a system decodes (sampled every 5 ms)."""
+    """How far resident memory rises above its level at the start while a system decodes (sampled
+    every 5 ms): the working memory of that system's turn."""
 
     def __init__(self):
         self.process, self.peak, self._on = psutil.Process(), 0, False
 
     def __enter__(self):
-        self.peak, self._on = self.process.memory_info().rss, True
+        self.start = self.peak = self.process.memory_info().rss
+        self._on = True
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -127,8 +131,8 @@ def build_systems(checkpoint: Path, gret: Path | None, build: Path, threads: int
     model, _, _ = load_checkpoint(checkpoint)
     onnx = export(checkpoint, build / "onnx", "onnx")
     ct2 = export(checkpoint, build / "ct2", "ct2")
-    add(REFERENCE, lambda: PyTorchReference(model, options))
-    add("engine-torch", lambda: OurEngine(TorchBackend(model, threads), options))
+    add(REFERENCE, lambda: PyTorchReference(model, options, threads))
+    add("engine-torch", lambda: OurEngine(TorchBackend(model, threads), options, threads))
     add("engine-onnx-fp32", lambda: OurEngine(OnnxBackend(onnx, "fp32", threads), options))
     add("engine-onnx-int8", lambda: OurEngine(OnnxBackend(onnx, "int8", threads), options))
     add("ct2-fp32", lambda: CTranslate2(ct2, "fp32", threads, options))
@@ -154,8 +158,8 @@ def export(checkpoint: Path, out: Path, fmt: str) -> Path:
 
 
 def run(systems: dict, batches: list[list[int]]) -> tuple[dict, dict, dict]:
-    """Every system decodes every batch, turns rotating. Returns outputs, seconds per batch and
-    peak RSS per system."""
+    """Every system decodes every batch, turns rotating. Returns outputs, seconds per batch and the
+    largest rise of resident memory during a turn, per system."""
     names = list(systems)
     outputs = {n: [] for n in names}
     seconds = {n: [] for n in names}
@@ -163,11 +167,12 @@ def run(systems: dict, batches: list[list[int]]) -> tuple[dict, dict, dict]:
     for i, batch in enumerate(batches):
         order = names[i % len(names):] + names[: i % len(names)]
         for name in order:
+            torch.set_num_threads(systems[name].torch_threads)
             with MemorySampler() as sampler:
                 start = time.perf_counter()
                 out = systems[name].decode(batch)
                 seconds[name].append(time.perf_counter() - start)
-            peak[name] = max(peak[name], sampler.peak)
+            peak[name] = max(peak[name], sampler.peak - sampler.start)
             outputs[name].append(out)
     return outputs, seconds, peak
 
@@ -188,7 +193,7 @@ def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs)
             "bleu": round(bleu([sp.decode(t) for t in restored], refs), 2),
             "identical_to_pytorch": None,
             "load_rss_mb": round(memory[name] / 2**20, 1),
-            "peak_rss_mb": round(peak[name] / 2**20, 1),
+            "decode_rss_mb": round(peak[name] / 2**20, 1),
             "_tokens": restored,
         }
     reference = figures[REFERENCE]["_tokens"]

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import sys
 
+import torch
+
 from . import config as server_config
 from .models import ModelError
 
@@ -18,6 +20,9 @@ def main(argv=None) -> int:
     from .metrics import Metrics
     from .registry import Registry
 
+    # torch does the engine's bookkeeping (top-k, cache reordering); with the ONNX Runtime or
+    # CTranslate2 backend the heavy work has its own threads, and torch's pool would compete.
+    torch.set_num_threads(config.threads if config.backend == "torch" else 1)
     metrics = Metrics()
     try:
         registry = Registry.load(config, metrics)

@@ -1,0 +1,192 @@
+"""python -m bench report [--results docs/results] [--out docs/BENCHMARKS.md]
+
+Renders the benchmarks' page from the JSON that `python -m bench engine` and `python -m bench
+server` wrote (bench-engine.json, bench-server.json) and embeds their plots. Every number on the
+page comes from those files; a benchmark that has not been run is named with its command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from training.data import PROJECT_ROOT
+
+RESULTS = PROJECT_ROOT / "docs" / "results"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ratio(figure: dict | None) -> str:
+    """A median ratio with its interquartile range, as the benchmarks store them."""
+    if not figure:
+        return "—"
+    return f"{figure['median']:.2f} ({figure['q1']:.2f}–{figure['q3']:.2f})"
+
+
+def ms(figure: dict | None) -> str:
+    return f"{figure['median']:.0f} ({figure['q1']:.0f}–{figure['q3']:.0f})" if figure else "—"
+
+
+def cpu(point: dict, server: str) -> str:
+    """CPU seconds during a point: the measured server / the other (idle) servers / the load generator."""
+    c = point.get("cpu_seconds")
+    if not c:
+        return ""
+    others = sum(v for k, v in c.items() if k not in (server, "bench"))
+    if server not in c:  # the offline engine runs inside the benchmark's own process
+        return f"{c['bench']:.1f} / {others:.1f} / —"
+    return f"{c[server]:.1f} / {others:.1f} / {c['bench']:.1f}"
+
+
+def provenance(data: dict) -> str:
+    m, v = data.get("machine", {}), data.get("versions", {})
+    load = lambda key: "/".join(f"{x:.1f}" for x in m.get(key, [])) or "?"
+    return (f"Command: `{data['command'].strip()}` · {data.get('date', '?')} · commit {data.get('commit', '?')}  \n"
+            f"Machine: {m.get('cpus', '?')} CPUs, {m.get('platform', '?')}; load average (1/5/15 min) "
+            f"{load('load_average_start')} at the start, {load('load_average_end')} at the end"
+            f"{' — ' + m['note'] if m.get('note') else ''}  \n"
+            f"Versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+
+
+def targets_table(targets: dict) -> str:
+    rows = []
+    for name, t in targets.items():
+        if not isinstance(t, dict):
+            continue
+        bound = f"≤ {t['target']}" if t.get("lower_is_better") else f"≥ {t['target']}"
+        rows.append([name, bound, t["measured"], "met" if t["met"] else "**not met**", t.get("note", "")])
+    return table(["target", "required", "measured", "", "note"], rows)
+
+
+def image(results: Path, name: str | None, out: Path, alt: str) -> str:
+    if not name or not (results / name).exists():
+        return ""
+    return f"![{alt}]({Path(os.path.relpath(results / name, out.parent)).as_posix()})"
+
+
+def engine_section(data: dict, results: Path, out: Path) -> str:
+    s = data.get("settings", {})
+    parts = [
+        "## Offline engine",
+        provenance(data),
+        (f"{s.get('split', '?')}, {s.get('sentences', '?')} sentences, beam {s.get('beam', '?')}, batches of "
+        f"{s.get('batch', '?')}, {s.get('threads', '?')} threads; systems take turns batch by batch. Ratios are "
+        "medians over batches with the interquartile range (> 1: faster than the named system)."),
+    ]
+    rows = []
+    for name, f in data["systems"].items():
+        rows.append([f"`{name}`", f.get("bleu"), f.get("target_tokens_per_s"), f.get("sentences_per_s"),
+                     f.get("load_rss_mb"), f.get("decode_rss_mb"), ratio(f.get("speed_vs_ct2-int8")),
+                     ratio(f.get("speed_vs_pytorch")),
+                     f.get("identical_to_pytorch")])
+    parts.append(table(["system", "BLEU", "target tokens/s", "sentences/s", "RSS to load (MB)",
+                        "RSS rise decoding (MB)", "× ct2-int8", "× pytorch", "identical to pytorch"], rows))
+    parts.append(targets_table(data.get("targets", {})))
+    parts.append(image(results, data.get("plot"), out, "engine speed ratios"))
+    return "\n\n".join(p for p in parts if p)
+
+
+def server_section(data: dict, results: Path, out: Path) -> str:
+    s, plan = data["settings"], data["settings"]["plan"]
+    engine = data.get("bench_engine")
+    parts = [
+        "## Server under load",
+        provenance(data),
+        (f"Model `{s['model']}` ({s['architecture']}, version {s['model_version']}, {s['backend']}), beam {s['beam']}, "
+         f"threads per server {s['threads']} (environment {s.get('server_env', {})}), one {s['split']} sentence per "
+         "call, over gRPC on loopback. One server per batching policy, all running through the whole benchmark, "
+         f"taking turns. Encoder cache: {s['encoder_cache']}. Target tokens: {s['target_tokens']}."),
+        "### Saturation",
+        (f"Closed loop, {plan['concurrency']} concurrent callers, {plan['saturation_seconds']} s per point of which "
+        f"the first {plan['warmup_seconds']} s are not counted; {plan['rounds']} round(s), each also decoding "
+        f"{plan['offline_texts']} of the same texts with the same engine offline (no gRPC, batches of 32): the "
+        f"in-run reference. Figures are medians over rounds."),
+    ]
+    offline = data["offline"]
+    rows = [["offline engine (in run)", offline["texts_per_s"], offline["target_tokens_per_s"], "1.00",
+             " / ".join(str(r["texts_per_s"]) for r in offline["rounds"]), "",
+             " · ".join(cpu(r, "offline") for r in offline["rounds"])]]
+    for name, p in data["policies"].items():
+        sat = p["saturation"]
+        rows.append([f"`{name}`", sat["texts_per_s"], sat["target_tokens_per_s"], sat["vs_offline_in_run"],
+                     " / ".join(str(r["texts_per_s"]) for r in sat["rounds"]),
+                     " / ".join(str(r["latency_ms"]["p50"]) for r in sat["rounds"] if "latency_ms" in r),
+                     " · ".join(cpu(r, name) for r in sat["rounds"])])
+    parts.append(table(["", "texts/s", "target tokens/s", "× offline (in run)", "texts/s per round",
+                        "p50 latency (ms) per round", "CPU s: measured / idle servers / load generator"], rows))
+    if engine:
+        e = engine.get("settings") or {}
+        parts.append(f"`python -m bench engine` ({engine['file']}, {engine['date']}, {e.get('threads', '?')} threads, "
+                     f"batches of {e.get('batch', '?')}) measured `{engine['system']}` at {engine['sentences_per_s']} "
+                     "sentences/s in another run under another machine load: saturation ÷ that = "
+                     + ", ".join(f"`{n}` {p['saturation']['vs_bench_engine']}" for n, p in data["policies"].items())
+                     + ".")
+    else:
+        parts.append("No `docs/results/bench-engine.json` was there when this ran: the comparison is with the "
+                     "in-run offline engine only.")
+    parts.append("### Latency against offered load")
+    parts.append(f"Open loop: Poisson arrivals at a share of each policy's own saturation throughput for "
+                 f"{plan['open_seconds']} s (at most {plan['max_requests']} calls); calls still running "
+                 f"{plan['drain_seconds']} s later are cancelled and counted as unfinished. Latency is from the "
+                 "scheduled arrival to the answer.")
+    for name, p in data["policies"].items():
+        rows = []
+        for q in p["open_loop"]:
+            lat = q.get("latency_ms", {})
+            rows.append([q["fraction_of_saturation"], q["offered_per_s"], q["texts_per_s"], q["target_tokens_per_s"],
+                         lat.get("p50"), lat.get("p90"), lat.get("p99"),
+                         round(lat["p99"] / lat["p50"], 2) if lat else None,
+                         q.get("ms_per_token", {}).get("p50"), f"{q['ok']}/{q['calls']}",
+                         ", ".join(f"{k} {n}" for k, n in q["errors"].items()) or "none", q["unfinished"],
+                         q["load_average"], cpu(q, name)])
+        parts.append(f"`{name}`\n\n" + table(
+            ["× saturation", "offered/s", "texts/s", "target tokens/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50",
+             "ms per token p50", "ok/calls", "errors", "unfinished", "load", "CPU s"], rows))
+    parts.append(image(results, data["plots"].get("latency"), out, "latency against throughput per policy"))
+    parts.append("### Encoder cache")
+    parts.append("One otherwise idle server (continuous batching, cache on): each text sent once (a miss), then at "
+                 "once again (a hit); end-to-end latency at the client. Medians over pairs, interquartile range "
+                 "in brackets.")
+    rows = [[f"`{r['options']}`", r["pairs"], ms(r["new_ms"]), ms(r["repeated_ms"]), ratio(r["speedup"]),
+             f"{r['hit_flags_as_expected']}/{r['pairs']}", r["output_tokens_median"]]
+            for r in data["cache"].values()]
+    parts.append(table(["request options", "pairs", "new source (ms)", "repeated source (ms)", "speed-up",
+                        "cache flags as expected", "output tokens (median)"], rows))
+    parts.append(image(results, data["plots"].get("cache"), out, "encoder cache: new vs repeated source"))
+    parts.append("### Targets")
+    parts.append("Judged on the default policy (continuous batching); the other policies are in the tables above.")
+    parts.append(targets_table(data["targets"]))
+    return "\n\n".join(p for p in parts if p)
+
+
+def render(results: Path, out: Path) -> str:
+    parts = ["# Benchmarks",
+             (f"Generated by `python -m bench report` from `{results.name}/bench-*.json`; no number here is typed "
+             "by hand. Each section names the command that measured it. The machine is shared with other work, "
+             "so absolute times move between runs: read the ratios and the side-by-side comparisons.")]
+    for name, section, command in (("bench-engine.json", engine_section, "python -m bench engine"),
+                                   ("bench-server.json", server_section, "python -m bench server")):
+        path = results / name
+        if path.exists():
+            parts.append(section(json.loads(path.read_text()), results, out))
+        else:
+            parts.append(f"`{name}` is not there yet: run `{command}`.")
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=RESULTS, help="folder with bench-engine.json, bench-server.json")
+    p.add_argument("--out", type=Path, default=PROJECT_ROOT / "docs" / "BENCHMARKS.md")
+    args = p.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(args.results.resolve(), args.out.resolve()))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,61 @@
+"""`python -m bench server --quick` (the CI smoke run) against tiny models trained in the test run,
+then `python -m bench report` from what it wrote: it runs and its output is sane. No speed is
+asserted; the machine the tests run on decides those."""
+from __future__ import annotations
+
+import json
+
+from bench.__main__ import main as bench_main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(served_models, tmp_path):
+    results = tmp_path / "results"
+    code = bench_main(["server", "--quick", "--models-dir", str(served_models), "--model", "tiny-de-en",
+                       "--threads", "1", "--build-cache", str(tmp_path / "build"), "--out-dir", str(results),
+                       "--engine-results", str(tmp_path / "no-engine-results.json")])
+    assert code == 0
+    result = json.loads((results / "bench-server.json").read_text())
+
+    assert result["commit"] and result["settings"]["model"] == "tiny-de-en" and result["settings"]["threads"] == 1
+    assert {"grpcio", "onnxruntime", "torch"} <= set(result["versions"])
+    assert result["machine"]["cpus"] >= 1 and len(result["machine"]["load_average_end"]) == 3
+    assert result["offline"]["texts_per_s"] > 0 and result["bench_engine"] is None
+    assert set(result["policies"]) == {"continuous", "request", "none"}
+    for policy in result["policies"].values():
+        saturation = policy["saturation"]
+        assert saturation["texts_per_s"] > 0 and saturation["target_tokens_per_s"] > 0
+        assert saturation["vs_offline_in_run"] > 0
+        for point in policy["open_loop"]:
+            assert point["mode"] == "open" and point["offered_per_s"] > 0 and point["ok"] > 0
+            assert point["texts_per_s"] > 0 and point["target_tokens_per_s"] > 0
+            assert 0 < point["latency_ms"]["p50"] <= point["latency_ms"]["p99"]
+            assert point["errors"] == {} and point["unfinished"] == 0
+    for cache in result["cache"].values():  # the server must report a miss, then a hit, for each pair
+        assert cache["pairs"] > 0 and cache["hit_flags_as_expected"] == cache["pairs"]
+    assert {"saturation_vs_offline_in_run", "p99_over_p50_at_half_load", "cache_speedup_beam"} <= set(result["targets"])
+    for name in result["plots"].values():
+        assert (results / name).read_bytes().startswith(PNG)
+
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "## Server under load" in text and "`python -m bench server --quick" in text
+    assert "](results/bench-server-latency.png)" in text and "bench-engine.json` is not there yet" in text
+
+
+def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_models, tmp_path):
+    out = tmp_path / "bench-engine.json"
+    code = bench_main(["engine", "--quick", "--checkpoint", str(served_models / "tiny-en-de"), "--threads", "1",
+                       "--build-dir", str(tmp_path / "build"), "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    systems = result["systems"]
+    assert {"pytorch", "engine-onnx-fp32", "engine-onnx-int8", "ct2-int8"} <= set(systems)
+    for f in systems.values():
+        assert f["sentences_per_s"] > 0 and f["target_tokens_per_s"] > 0 and 0 <= f["bleu"] <= 100
+        assert f["speed_vs_ct2-int8"]["median"] > 0 and f["speed_vs_pytorch"]["median"] > 0
+    assert systems["engine-onnx-fp32"]["identical_to_pytorch"] == 1.0  # same math, fp32: same outputs
+    assert (tmp_path / "bench-engine.png").read_bytes().startswith(PNG)
+    assert result["settings"]["sentences"] == 64 and "best_engine_vs_ct2_int8" in result["targets"]
