@@ -106,10 +106,22 @@ ARCHITECTURE_FLAGS = {
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURE_FLAGS))
-def test_every_architecture_trains_and_translates(name, tmp_path, monkeypatch, capsys):
+def test_every_architecture_trains_translates_and_serves_from_onnx(name, tmp_path, monkeypatch, capsys):
+    """Trained here, the checkpoint translates; exported to ONNX, the server's engine gives the
+    same translations."""
+    from export.__main__ import main as export_main
+    from server.engine.options import DecodingOptions
+    from server.models import from_repository
+    from server.pipeline import build_pipeline
+
     log = run_train(tmp_path, *ARCHITECTURE_FLAGS[name], "--max-steps", "60", "--eval-every", "60")
     curve = losses(log)
     assert curve[60] < curve[10]
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Ein Hund rennt.\nZwei Frauen sitzen auf einer Bank.\n"))
+    texts = ["Ein Hund rennt.", "Zwei Frauen sitzen auf einer Bank."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(t + "\n" for t in texts)))
     translate.main(["--checkpoint", str(tmp_path), "--beam", "2"])
-    assert len(capsys.readouterr().out.splitlines()) == 2
+    expected = capsys.readouterr().out.splitlines()
+    assert len(expected) == 2
+    export_main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "repo")])
+    pipeline = build_pipeline(from_repository(tmp_path / "repo", "onnx", tmp_path))
+    assert pipeline.decode(texts, DecodingOptions(beam=2)) == expected
