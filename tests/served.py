@@ -72,13 +72,17 @@ class ServerProcess:
     """`python -m server ARGS` as a child process, the way an operator runs it; everything it prints
     (the log on stderr, stdout) is collected line by line."""
 
-    def __init__(self, *args, env: dict[str, str] | None = None):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    def __init__(self, *args):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "server", *map(str, args)], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
 
     @property
     def log(self) -> str:

@@ -1,0 +1,680 @@
+"""Reliability of the real server on loopback, with the tiny models of tests/served.py.
+
+Bad input: whatever a client sends (any Unicode, empty and blank texts, huge texts, thousands of
+texts, any option value, unknown models, bytes that are no protobuf message at all), it gets a
+correct result or the right status code, and the server keeps serving; hypothesis generates well
+over 10,000 requests per run. Faults: a cancelled or expired call leaves the batch at the next
+decoder step without disturbing the others; SIGTERM drains; SIGKILL and a restart lose nothing;
+broken model files stop the start with a message naming the file; a full queue refuses at once.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import operator
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proto import gret_serve_pb2 as pb
+from proto import gret_serve_pb2_grpc as pb_grpc
+from server.__main__ import main as server_main
+from server.client import Client
+from server.engine.sequence import CANCELLED, DEADLINE
+from tests.served import RunningServer, ServerProcess, config_for, free_port
+from training.data import load_examples
+
+torch.set_num_threads(1)
+CODE = grpc.StatusCode
+
+# The fuzzed server's limits are small so that every valid request is cheap to decode (at most
+# 10 output tokens, beam 4, 64 texts) and every limit is easy to reach from both sides. (Not below
+# 10 tokens: the default max_length_offset, 10, must stay within the limit.)
+FUZZ_LIMITS = dict(max_beam=4, max_texts=64, max_text_chars=600, max_output_tokens=10, max_message_mb=1)
+MAX_MESSAGE = FUZZ_LIMITS["max_message_mb"] << 20
+METHODS = ("Translate", "TranslateStream", "Summarize", "SummarizeStream")
+requests_sent = collections.Counter()  # by outcome: what the fuzz tests sent in this run
+
+
+def german(n: int, offset: int = 0) -> list[str]:
+    return [e.source for e in load_examples("multi30k", "val", "de", "en")[offset: offset + n]]
+
+
+def outputs(response: pb.GenerateResponse) -> list:
+    """What a response says about the texts (whether the encoder cache was hit aside)."""
+    return [list(r.hypotheses) for r in response.results]
+
+
+@pytest.fixture(scope="module")
+def fuzzed(served_models):
+    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", **FUZZ_LIMITS))
+    yield running
+    running.stop()
+    print(f"\nfuzzed requests by outcome: {dict(requests_sent)}; total {sum(requests_sent.values())}")
+
+
+# ---- the specification of an answer ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Expected:
+    code: grpc.StatusCode
+    model: str = ""  # OK: the model that must answer
+    about: str = ""  # INVALID_ARGUMENT: what the status details must mention
+
+
+def expected(server: RunningServer, method: str, request) -> Expected:
+    """What the server must answer, from the API's documented rules: message size, then the model,
+    then the options, then the texts."""
+    if request.ByteSize() > MAX_MESSAGE:
+        return Expected(CODE.RESOURCE_EXHAUSTED)
+    task = "translate" if method.startswith("Translate") else "summarize"
+    models = {name: p.entry for name, p in server.registry.pipelines.items()}
+    if request.model:
+        if request.model not in models or models[request.model].task != task:
+            return Expected(CODE.NOT_FOUND)
+        name = request.model
+    else:
+        source, target = (request.source_language, request.target_language) if task == "translate" else ("", "")
+        fits = sorted(n for n, e in models.items() if e.task == task and source in ("", e.source_language)
+                      and target in ("", e.target_language))
+        if not fits:
+            return Expected(CODE.NOT_FOUND)
+        name = fits[0]
+    problem = (option_problem(request.options) or diagnostics_problem(models[name], request.options)
+               or text_problem(models[name], task, list(request.texts)))
+    return Expected(CODE.INVALID_ARGUMENT, about=problem) if problem else Expected(CODE.OK, model=name)
+
+
+def options_of(o: pb.DecodingOptions) -> dict:
+    """The options with the documented defaults for unset fields."""
+    defaults = dict(beam_size=4, length_penalty=1.0, max_length=0, max_length_ratio=1.5, max_length_offset=10,
+                    min_length=0, n_best=1, no_repeat_ngram_size=0)
+    return {f: getattr(o, f) if o.HasField(f) else d for f, d in defaults.items()}
+
+
+def option_problem(options: pb.DecodingOptions) -> str:
+    o, most = options_of(options), FUZZ_LIMITS["max_output_tokens"]
+    checks = [("beam_size", 1 <= o["beam_size"] <= FUZZ_LIMITS["max_beam"]),
+              ("n_best", 1 <= o["n_best"] <= min(o["beam_size"], FUZZ_LIMITS["max_beam"])),
+              ("length_penalty", 0 <= o["length_penalty"] <= 10),  # NaN fails every comparison
+              ("max_length_ratio", 0 <= o["max_length_ratio"] <= 10),
+              ("max_length_offset", o["max_length_offset"] <= most),
+              ("max_length", o["max_length"] <= most),
+              ("min_length", o["min_length"] <= most and (not o["max_length"] or o["min_length"] <= o["max_length"])),
+              ("no_repeat_ngram_size", o["no_repeat_ngram_size"] <= 8)]
+    return next((f"option {name}=" for name, ok in checks if not ok), "")
+
+
+def diagnostics_problem(entry, options: pb.DecodingOptions) -> str:
+    """GRET diagnostics need a GRET model served from its checkpoint (none is, in the fuzzed server)."""
+    return "diagnostics" if options.return_diagnostics and not (entry.cfg.gret and entry.checkpoint) else ""
+
+
+def text_problem(entry, task: str, texts: list[str]) -> str:
+    if not texts:
+        return "no texts"
+    if len(texts) > FUZZ_LIMITS["max_texts"]:
+        return f"{len(texts)} texts in one call"
+    for i, text in enumerate(texts):
+        if not text.strip():
+            return f"text {i} is empty or only whitespace"
+        if len(text) > FUZZ_LIMITS["max_text_chars"]:
+            return f"text {i} has {len(text)} characters"
+        if task == "translate" and len(entry.sp.encode(text)) > entry.max_src_len - 1:
+            return f"text {i} is"  # ... N pieces long (summaries truncate instead)
+    return ""
+
+
+def check_results(server: RunningServer, request, model: str, results) -> None:
+    """Every text has its result: the source as the model's tokenizer reads the text we sent (so
+    nothing was lost or mangled on the way), n_best hypotheses within the length limits, ordered."""
+    entry = server.registry.pipelines[model].entry
+    o = options_of(request.options)
+    assert [r.index for r in results] == list(range(len(request.texts)))
+    for text, result in zip(request.texts, results):
+        source = min(len(entry.sp.encode(text)), entry.max_src_len - 1) + 1  # pieces + EOS
+        assert result.source_tokens == source
+        limit = int(source * o["max_length_ratio"] + o["max_length_offset"])
+        for cap in (o["max_length"], entry.cfg.max_positions - 1, FUZZ_LIMITS["max_output_tokens"]):
+            limit = min(limit, cap) if cap else limit
+        limit = max(1, limit)
+        hyps = result.hypotheses
+        assert len(hyps) == o["n_best"]
+        assert all(min(o["min_length"], limit) <= h.tokens <= limit for h in hyps)
+        scores = [h.score for h in hyps]
+        assert scores == (sorted(scores, reverse=True) if request.options.return_scores else [0.0] * len(hyps))
+
+
+def check_answer(server: RunningServer, method: str, request, outcome) -> None:
+    code, responses, details = outcome
+    want = expected(server, method, request)
+    requests_sent[code.name] += 1
+    assert code == want.code, f"{method} answered {code.name} ({details}), expected {want.code.name}"
+    if code == CODE.INVALID_ARGUMENT:
+        assert want.about in details
+    elif code == CODE.OK:
+        assert all(r.model == want.model for r in responses)
+        if method.endswith("Stream"):
+            assert all(len(r.results) == 1 for r in responses)
+            results = sorted((r.results[0] for r in responses), key=lambda r: r.index)
+        else:
+            results = responses[0].results
+        check_results(server, request, want.model, results)
+    else:
+        assert details  # every refusal says why
+
+
+def start(call, streaming: bool, request):
+    """Starts the call now; the returned function waits for (code, responses, details)."""
+    pending = call(request, timeout=120) if streaming else call.future(request, timeout=120)
+
+    def wait():
+        try:
+            return CODE.OK, list(pending) if streaming else [pending.result()], ""
+        except grpc.RpcError as e:
+            return e.code(), [], e.details()
+
+    return wait
+
+
+def assert_still_serving(server: RunningServer, reference) -> None:
+    """Health says SERVING, every model still answers (the de-en reference exactly as before), all
+    work is done, and no call ever ended in INTERNAL or UNKNOWN."""
+    with Client(server.address, timeout=60) as c:
+        assert c.health() == "SERVING"
+        assert outputs(c.translate(*reference[0], **reference[1])) == outputs(reference[2])
+        c.summarize(["the bank raised rates ."], beam_size=1, max_length=2)
+        c.translate(["A dog runs."], target="de", beam_size=1, max_length=2)
+    assert all(p.engine.idle() for p in server.registry)
+    codes = {s.labels["code"] for m in server.metrics.registry.collect() for s in m.samples
+             if s.name == "gret_serve_requests_total"}
+    assert not codes & {"INTERNAL", "UNKNOWN"}
+
+
+@pytest.fixture(scope="module")
+def reference(fuzzed):
+    """A translation taken before any fuzzing: the same call must answer the same after it."""
+    args, options = (german(3), "en"), dict(beam_size=2, max_length=10)
+    with Client(fuzzed.address, timeout=60) as c:
+        return args, options, c.translate(*args, **options)
+
+
+# ---- what hypothesis generates ------------------------------------------------------------------------
+def weighted(*pairs):
+    """one_of with weights: (weight, strategy) pairs."""
+    return st.sampled_from([s for w, s in pairs for _ in range(w)]).flatmap(lambda s: s)
+
+
+# Control and format characters, combining marks, emoji (with ZWJ and flags), right-to-left
+# scripts and overrides, BOM, non-characters, Unicode whitespace, and a few ordinary words.
+ODD = ["\x00", "\x01", "\t", "\n", "\r", "\x1b", "\x7f", "\x85", "\u00a0", "\u200b", "\u200d", "\u200e", "\u200f",
+       "\u202e", "\u2066", "\u2028", "\u3000", "\ufeff", "\ufffd", "\uffff", "\U0010ffff", "\u0301", "\u0308",
+       "\u20dd", "e\u0301", "\U0001f600", "\U0001f469\u200d\U0001f4bb", "\U0001f1e9\U0001f1ea",
+       "\u05e9\u05dc\u05d5\u05dd", "\u0645\u0631\u062d\u0628\u0627", "\u4e2d\u6587", "Hund", "läuft", "Straße",
+       " ", ".", "?"]
+SENTENCES = german(30)
+text = weighted(
+    (3, st.sampled_from(SENTENCES)),
+    (3, st.text(st.characters(codec="utf-8"), max_size=24)),  # any code point UTF-8 can carry
+    (3, st.lists(st.sampled_from(ODD), max_size=10).map("".join)),
+    (1, st.text(st.characters(categories=["Zs", "Zl", "Zp", "Cc"]), max_size=6)),  # blank or control only
+    (1, st.builds(operator.mul, st.sampled_from(["Hund ", "ü", "\U0001f600", "e\u0301", "\u05d0\u05d1 "]),
+                  st.integers(90, 700))),  # around the character and the piece limits
+)
+short_text = st.one_of(st.sampled_from(SENTENCES), st.lists(st.sampled_from(ODD), max_size=4).map("".join))
+texts = weighted(  # a message over the size limit costs ~0.2 s on loopback: rare here, tested on its own too
+    (50, st.lists(text, max_size=4)),
+    (5, st.builds(operator.mul, st.lists(short_text, min_size=1, max_size=1), st.sampled_from([63, 64, 65, 3000]))),
+    (1, st.just(["x" * (MAX_MESSAGE + 1)])),
+)
+
+
+def uint(low: int, high: int):
+    return st.one_of(st.none(), st.integers(low, high))
+
+
+def real(low: float, high: float):
+    return st.one_of(st.none(), st.floats(low, high, width=32))
+
+
+def options_message(**fields) -> pb.DecodingOptions:
+    return pb.DecodingOptions(**{k: v for k, v in fields.items() if v is not None})
+
+
+# Options either within the limits (unset or in range, so a valid request stays cheap) or anything.
+options = st.one_of(
+    st.builds(options_message, beam_size=uint(1, 4), length_penalty=real(0, 10), max_length=uint(1, 8),
+              max_length_ratio=real(0, 10), max_length_offset=uint(0, 8), min_length=uint(0, 8), n_best=uint(1, 4),
+              no_repeat_ngram_size=uint(0, 8), return_scores=st.booleans()),
+    st.builds(options_message, beam_size=uint(0, 2**32 - 1), length_penalty=st.floats(width=32),
+              max_length=uint(0, 2**32 - 1), max_length_ratio=st.floats(width=32),
+              max_length_offset=uint(0, 2**32 - 1), min_length=uint(0, 2**32 - 1), n_best=uint(0, 2**32 - 1),
+              no_repeat_ngram_size=uint(0, 2**32 - 1), return_scores=st.booleans(),
+              return_diagnostics=st.booleans()),
+)
+model = st.one_of(st.just(""), st.sampled_from(["tiny-de-en", "tiny-en-de", "tiny-headlines"]), st.text(max_size=12))
+language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE"]), st.text(max_size=4))
+
+
+@st.composite
+def any_call(draw):
+    method = draw(st.sampled_from(METHODS))
+    common = dict(texts=draw(texts), model=draw(model), options=draw(options))
+    if method.startswith("Translate"):
+        return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language), **common)
+    return method, pb.SummarizeRequest(**common)
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def flip(raw: bytes, edits: list[tuple[int, int]]) -> bytes:
+    raw = bytearray(raw)
+    for position, value in edits:
+        if raw:
+            raw[position % len(raw)] = value
+    return bytes(raw)
+
+
+# Bytes as a raw channel sends them: anything, a text field holding arbitrary bytes (mostly invalid
+# UTF-8: lone surrogates encoded, overlong forms, stray continuation bytes), or a valid request
+# with some bytes overwritten.
+raw_requests = st.one_of(
+    st.binary(max_size=64),
+    st.binary(max_size=24).map(lambda b: b"\x0a" + varint(len(b)) + b),
+    st.builds(flip, any_call().map(lambda c: c[1].SerializeToString()[:4096]),
+              st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 255)), min_size=1, max_size=3)),
+)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def test_every_generated_request_gets_a_correct_result_or_the_right_status_code(fuzzed, reference):
+    sent = []
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(fuzzed.address))
+
+    @settings(max_examples=1600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(any_call(), min_size=4, max_size=4))
+    def any_four_calls_at_once(batch):
+        waits = [start(getattr(stub, method), method.endswith("Stream"), request) for method, request in batch]
+        for (method, request), wait in zip(batch, waits):
+            check_answer(fuzzed, method, request, wait())
+        sent.append(len(batch))
+
+    any_four_calls_at_once()
+    assert sum(sent) >= 6400
+    assert_still_serving(fuzzed, reference)
+
+
+def test_any_bytes_as_a_request_get_a_result_or_invalid_argument_never_internal(fuzzed, reference):
+    channel = grpc.insecure_channel(fuzzed.address)
+    raw_calls = {m: getattr(channel, "unary_stream" if m.endswith("Stream") else "unary_unary")(
+        f"/gretserve.v1.Inference/{m}", response_deserializer=pb.GenerateResponse.FromString) for m in METHODS}
+    sent = []
+
+    @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(st.sampled_from(METHODS), raw_requests), min_size=4, max_size=4))
+    def any_four_payloads_at_once(batch):
+        waits = [start(raw_calls[method], method.endswith("Stream"), raw) for method, raw in batch]
+        for (method, raw), wait in zip(batch, waits):
+            kind = pb.TranslateRequest if method.startswith("Translate") else pb.SummarizeRequest
+            try:
+                request = kind.FromString(raw)
+            except DecodeError:  # not a message of this type
+                code, _, details = wait()
+                requests_sent[code.name] += 1
+                assert code == CODE.INVALID_ARGUMENT and "not a valid" in details
+            else:
+                check_answer(fuzzed, method, request, wait())
+        sent.append(len(batch))
+
+    any_four_payloads_at_once()
+    assert sum(sent) >= 4000
+    assert_still_serving(fuzzed, reference)
+
+
+def test_the_python_client_refuses_lone_surrogates_before_sending():
+    with pytest.raises(UnicodeEncodeError):
+        pb.TranslateRequest(texts=["Hund \ud800"])
+
+
+@pytest.mark.parametrize("raw", [b"\xed\xa0\x80", b"\xc0\xaf", b"\xe2\x82", b"\xff\xfe", b"ok\x80"],
+                         ids=["surrogate", "overlong", "truncated", "not-utf8", "stray-continuation"])
+def test_a_text_that_is_not_utf8_is_invalid_argument(fuzzed, raw):
+    call = grpc.insecure_channel(fuzzed.address).unary_unary("/gretserve.v1.Inference/Translate")
+    with pytest.raises(grpc.RpcError) as info:
+        call(b"\x0a" + varint(len(raw)) + raw, timeout=30)
+    assert info.value.code() == CODE.INVALID_ARGUMENT and "not a valid gretserve.v1.TranslateRequest" in \
+        info.value.details()
+    requests_sent[info.value.code().name] += 1
+
+
+# ---- faults: cancellation and deadlines -------------------------------------------------------------
+class StepLog:
+    """The model's metrics observer, plus a record of the rows of every decoder step (what
+    gret_serve_rows_per_step observes) and of every finished text. It can hold the engine thread
+    after the first step with `hold` rows until `release` is set: the test then acts while the
+    engine waits between two steps, so "the next step" is exact on however busy a machine."""
+
+    def __init__(self, observer):
+        self.observer = observer
+        self.steps, self.done = [], []
+        self.hold, self.held, self.release = None, threading.Event(), threading.Event()
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        self.observer.stepped(rows, seconds)
+        self.steps.append(rows)
+        if rows == self.hold:
+            self.hold = None
+            self.held.set()
+            self.release.wait(60)
+
+    def finished(self, seq) -> None:
+        self.observer.finished(seq)
+        self.done.append(seq)
+
+    def __getattr__(self, name):
+        return getattr(self.observer, name)
+
+
+@pytest.fixture(scope="module")
+def roomy(served_models):
+    """A server with the default limits (long outputs allowed) and one model."""
+    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=["tiny-de-en"]))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def step_log(roomy):
+    engine = roomy.registry.pipelines["tiny-de-en"].engine
+    log = engine.observer = StepLog(engine.observer)
+    yield log
+    log.release.set()
+    engine.observer = log.observer
+
+
+# Exactly 128 output tokens whatever the source: the call stays in the batch for 128 steps.
+LONG = dict(max_length_ratio=10, max_length=128, min_length=128)
+
+
+def request(texts, beam, **options):
+    return pb.TranslateRequest(texts=texts, target_language="en", options=pb.DecodingOptions(beam_size=beam, **options))
+
+
+def wait_until(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def ended_calls(server: RunningServer, code: str) -> float:
+    return server.metrics.registry.get_sample_value(
+        "gret_serve_requests_total", {"model": "tiny-de-en", "method": "Translate", "code": code}) or 0
+
+
+def test_a_cancelled_call_leaves_the_batch_at_the_next_step_and_the_others_are_unaffected(roomy, step_log):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(roomy.address))
+    other = request(german(1, offset=40), beam=1, **LONG)
+    alone = stub.Translate(other, timeout=60)
+    running = stub.Translate.future(other, timeout=60)
+    wait_until(lambda: 1 in step_log.steps)
+    step_log.hold = 1 + 16 * 4  # both calls decoding, every beam of the second one filled
+    cancelled = stub.Translate.future(request(german(16, offset=50), beam=4, **LONG), timeout=60)
+    assert step_log.held.wait(60)
+    before = ended_calls(roomy, "CANCELLED")
+    cancelled.cancel()
+    wait_until(lambda: ended_calls(roomy, "CANCELLED") > before)  # the server has seen it
+    held_at = len(step_log.steps)
+    step_log.release.set()
+    assert outputs(running.result()) == outputs(alone)
+    assert cancelled.cancelled()
+    assert set(step_log.steps[held_at:]) == {1}  # from the very next step on, only the other call's row
+    gone = [s for s in step_log.done if s.status == CANCELLED]
+    assert len(gone) == 16 and all(0 < s.step < s.max_len for s in gone)  # dropped mid-decode
+    assert roomy.metrics.registry.get_sample_value("gret_serve_batch_rows", {"model": "tiny-de-en"}) == 1
+
+
+def test_an_expired_call_leaves_the_batch_at_the_next_step_and_the_others_are_unaffected(roomy, step_log):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(roomy.address))
+    other = request(german(1, offset=41), beam=1, **LONG)
+    alone = stub.Translate(other, timeout=60)
+    running = stub.Translate.future(other, timeout=60)
+    wait_until(lambda: 1 in step_log.steps)
+    step_log.hold = 1 + 16 * 4
+    expiring = stub.Translate.future(request(german(16, offset=70), beam=4, **LONG), timeout=3.0)
+    assert step_log.held.wait(60)
+    assert expiring.exception(60).code() == CODE.DEADLINE_EXCEEDED  # while the engine waits
+    held_at = len(step_log.steps)
+    step_log.release.set()
+    assert outputs(running.result()) == outputs(alone)
+    assert set(step_log.steps[held_at:]) == {1}
+    # grpc cancels the handler when the deadline passes, or the engine finds it expired: either way the rows go.
+    gone = [s for s in step_log.done if s.status in (CANCELLED, DEADLINE)]
+    assert len(gone) == 16 and all(0 < s.step < s.max_len for s in gone)
+
+
+# ---- faults: signals -----------------------------------------------------------------------------------
+def metric(port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + "{")]
+    return sum(values)
+
+
+def test_sigterm_flips_readiness_finishes_every_call_in_flight_refuses_new_ones_and_exits_0(served_models, tmp_path):
+    metrics_port = free_port()
+    server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
+                           "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--grace-seconds", 30,
+                           "--max-batch-tokens", 6000, "--build-cache", tmp_path)
+    try:
+        address = server.wait_serving()
+        texts = german(8, offset=100)
+        with Client(address, timeout=120) as c:
+            options = dict(beam_size=4, **LONG)
+            alone = c.translate(texts, target="en", **options)
+            # Three calls: one decoding, two queued behind it (the token budget fits one at a time).
+            in_flight = [c.stub.Translate.future(request(texts, beam=4, **LONG), timeout=120) for _ in range(3)]
+            deadline = time.monotonic() + 60
+            while not (metric(metrics_port, "gret_serve_batch_rows") == 32
+                       and metric(metrics_port, "gret_serve_queue_depth") == 16):
+                assert time.monotonic() < deadline, server.log
+                time.sleep(0.01)
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            while c.health() == "SERVING":
+                time.sleep(0.005)
+            assert not any(f.done() for f in in_flight)  # readiness flipped before anything finished
+            with pytest.raises(grpc.RpcError) as refused:
+                c.translate(texts[:1], target="en")
+            assert refused.value.code() == CODE.UNAVAILABLE
+            assert all(outputs(f.result()) == outputs(alone) for f in in_flight)
+        assert server.wait(60) == 0
+        assert time.monotonic() - signalled < 30
+        assert "shutting down" in server.log and "stopped" in server.log
+    finally:
+        server.kill()
+
+
+def test_calls_still_running_when_the_grace_period_ends_get_unavailable_and_the_server_exits_0(served_models,
+                                                                                                 tmp_path):
+    server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
+                           "--port", 0, "--metrics-port", 0, "--threads", 1, "--grace-seconds", 1,
+                           "--max-batch-tokens", 6000, "--build-cache", tmp_path)
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving()))
+        work = request(german(16, offset=120), beam=4, **LONG)  # over the token budget: one call at a time
+        alone = stub.Translate(work, timeout=120)
+        in_flight = [stub.Translate.future(work, timeout=120) for _ in range(4)]
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        ended = []
+        for call in in_flight:
+            error = call.exception(60)
+            ended.append(error.code() if error else outputs(call.result()) == outputs(alone))
+        assert server.wait(60) == 0
+        stopped = time.monotonic() - signalled
+    finally:
+        server.kill()
+    assert CODE.UNAVAILABLE in ended and set(ended) <= {True, CODE.UNAVAILABLE}  # full results, or UNAVAILABLE
+    assert stopped < 1 + 5  # the grace period, then a few seconds to stop the engine and exit
+
+
+def test_after_sigkill_the_server_restarts_on_the_same_port_and_serves_the_same(served_models, tmp_path):
+    port = free_port()
+    args = ("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1", "--port", port,
+            "--metrics-port", 0, "--threads", 1, "--build-cache", tmp_path)
+    texts = german(3, offset=200)
+    server = ServerProcess(*args)
+    try:
+        address = server.wait_serving()
+        with Client(address, timeout=120) as c:
+            before = c.translate(texts, target="en")
+            in_flight = c.stub.Translate.future(request(texts * 8, beam=4, **LONG), timeout=120)
+            time.sleep(0.3)
+            server.proc.send_signal(signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as lost:
+                in_flight.result()
+            assert lost.value.code() == CODE.UNAVAILABLE  # the client learns at once, it does not hang
+        assert server.wait(30) == -signal.SIGKILL
+    finally:
+        server.kill()
+    restarted = ServerProcess(*args)
+    try:
+        assert restarted.wait_serving() == address
+        with Client(address, timeout=120) as c:
+            assert c.health() == "SERVING"
+            assert outputs(c.translate(texts, target="en")) == outputs(before)
+    finally:
+        restarted.kill()
+
+
+# ---- faults: broken model files --------------------------------------------------------------------
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def edit_manifest(change):
+    def damage(path):
+        manifest = json.loads(path.read_text())
+        change(manifest)
+        path.write_text(json.dumps(manifest))
+    return damage
+
+
+# (model folder, file, damage, what the message must name)
+BROKEN = {
+    "graph missing": ("tiny-de-en", "encoder.onnx", lambda p: p.unlink(), "encoder.onnx"),
+    "tokenizer missing": ("tiny-de-en", "spm.model", lambda p: p.unlink(), "spm.model"),
+    "graph truncated": ("tiny-de-en", "decoder.onnx", truncate, "decoder.onnx"),
+    "graph corrupted": ("tiny-de-en", "encoder.int8.onnx", flip_byte, "encoder.int8.onnx"),
+    "model.json not JSON": ("tiny-de-en", "model.json", lambda p: p.write_text('{"name": '), "model.json"),
+    "model.json not an object": ("tiny-de-en", "model.json", lambda p: p.write_text("[]"), "model.json"),
+    "model.json without a task": ("tiny-de-en", "model.json", edit_manifest(lambda m: m.pop("task")), "model.json"),
+    "model.json with an unknown task": ("tiny-de-en", "model.json", edit_manifest(lambda m: m.update(task="poem")),
+                                        "model.json"),
+    "model.json of a newer format": ("tiny-de-en", "model.json",
+                                     edit_manifest(lambda m: m.update(format_version=2)), "model.json"),
+    "model.json disagreeing with the graphs": (
+        "tiny-de-en", "model.json", edit_manifest(lambda m: m["model_config"].update(vocab_size=301)), "model.json"),
+    "weights missing": ("tiny-en-de", "model.safetensors", lambda p: p.unlink(), "model.safetensors"),
+    "weights truncated": ("tiny-en-de", "model.safetensors", truncate, "model.safetensors"),
+    "config.json not JSON": ("tiny-en-de", "config.json", lambda p: p.write_text("{"), "config.json"),
+    "checkpoint tokenizer corrupted": ("tiny-en-de", "spm.model", lambda p: p.write_bytes(b"\x00garbage"), "spm.model"),
+}
+
+
+def broken_copy(models, root, name):
+    folder, file, damage, _ = BROKEN[name]
+    shutil.copytree(models / folder, root / "models" / folder, ignore=shutil.ignore_patterns("state", "snapshots"))
+    damage(root / "models" / folder / file)
+    return root / "models"
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_broken_model_folder_stops_the_start_with_a_message_naming_the_file(served_models, tmp_path, caplog, name):
+    models = broken_copy(served_models, tmp_path, name)
+    code = server_main(["--models-dir", str(models), "--metrics-port", "0", "--build-cache", str(tmp_path / "cache"),
+                        "--prepare-only"])
+    assert code == 1
+    message = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("cannot start"))
+    assert BROKEN[name][3] in message
+
+
+def test_the_server_process_exits_non_zero_naming_the_broken_file(served_models, tmp_path):
+    models = broken_copy(served_models, tmp_path, "graph truncated")
+    server = ServerProcess("--models-dir", models, "--metrics-port", 0, "--build-cache", tmp_path / "cache")
+    assert server.wait(120) == 1
+    assert "cannot start" in server.log and "decoder.onnx" in server.log and "Traceback" not in server.log
+
+
+def test_with_skip_bad_models_a_broken_model_is_skipped_and_named_and_the_rest_serve(served_models, tmp_path):
+    models = broken_copy(served_models, tmp_path, "graph truncated")
+    models.joinpath("tiny-de-en").rename(models / "broken")
+    shutil.copytree(served_models / "tiny-de-en", models / "tiny-de-en")
+    server = ServerProcess("--models-dir", models, "--skip-bad-models", "true", "--metrics-port", 0,
+                           "--build-cache", tmp_path / "cache", "--prepare-only")
+    assert server.wait(120) == 0
+    assert "skipping model folder" in server.log and "broken" in server.log and "decoder.onnx" in server.log
+    assert "prepared: tiny-de-en" in server.log
+
+
+# ---- faults: overload --------------------------------------------------------------------------------
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_a_full_queue_answers_resource_exhausted_at_once_and_memory_stays_bounded(served_models, tmp_path):
+    metrics_port = free_port()
+    server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
+                           "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--max-queue", 8,
+                           "--max-batch-tokens", 2000, "--build-cache", tmp_path)
+    flood = request(german(2, offset=300), beam=2, max_length_ratio=10, max_length=60, min_length=60)
+    codes, refused_in, accepted_in, memory, depths = collections.Counter(), [], [], [], []
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving()))
+        for _ in range(6):  # waves
+            calls = [stub.Translate.future(flood, timeout=120) for _ in range(100)]
+            for _ in range(10):  # while the queue is full: how long does a refusal take?
+                sent = time.monotonic()
+                try:
+                    stub.Translate(flood, timeout=120)
+                    accepted_in.append(time.monotonic() - sent)
+                except grpc.RpcError as e:
+                    assert e.code() == CODE.RESOURCE_EXHAUSTED
+                    refused_in.append(time.monotonic() - sent)
+            depths.append(metric(metrics_port, "gret_serve_queue_depth"))
+            codes.update(call.code().name for call in calls)
+            memory.append(rss_mb(server.proc.pid))
+    finally:
+        server.kill()
+    refused_in.sort()
+    print(f"\noverload: {dict(codes)}; a refusal took {refused_in[len(refused_in) // 2] * 1e3:.1f} ms (median), "
+          f"{refused_in[-1] * 1e3:.1f} ms (max); server RSS by wave {[round(m) for m in memory]} MB; "
+          f"queue depth seen {max(depths):.0f}")
+    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"} and codes["RESOURCE_EXHAUSTED"] > codes["OK"]
+    assert len(refused_in) >= 30 and refused_in[len(refused_in) // 2] < 0.1 and refused_in[-1] < 1
+    assert max(depths) <= 8
+    assert memory[-1] < memory[1] * 1.05  # after the first wave, further floods do not grow the server
