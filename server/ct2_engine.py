@@ -36,8 +36,7 @@ class Ct2Engine(Engine):
         self.steps += 1
         self.observer.stepped(sum(s.options.beam for s in seqs), time.monotonic() - start)
         for s in seqs:
-            s.finish(OK)
-            self.observer.finished(s)
+            s.finish(OK, observe=self.observer.finished)
 
     def _translate(self, options, seqs) -> None:
         results = self.backend.translate(

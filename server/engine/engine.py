@@ -138,10 +138,9 @@ class Engine:
 
     def _finish_doomed(self, seq: Sequence) -> None:
         if seq.cancelled:
-            seq.finish(CANCELLED, "the client cancelled the call")
+            seq.finish(CANCELLED, "the client cancelled the call", self.observer.finished)
         else:
-            seq.finish(DEADLINE, f"the deadline passed after {seq.step} decoding steps")
-        self.observer.finished(seq)
+            seq.finish(DEADLINE, f"the deadline passed after {seq.step} decoding steps", self.observer.finished)
 
     def _admit(self, seqs: list[Sequence]) -> None:
         start = time.monotonic()
@@ -165,8 +164,7 @@ class Engine:
         self.steps += 1
         self.observer.stepped(rows, time.monotonic() - start)
         for seq in finished:
-            seq.finish(OK)
-            self.observer.finished(seq)
+            seq.finish(OK, observe=self.observer.finished)
 
     def _fail_all(self, extra: list[Sequence], status: str, message: str) -> None:
         with self._cond:
@@ -174,5 +172,4 @@ class Engine:
             self.scheduler.waiting.clear()
         self.batch = Batch(self.batch.cfg, self.batch.n_heads, self.batch.d_head, self.batch.device)
         for seq in seqs:
-            seq.finish(status, message)
-            self.observer.finished(seq)
+            seq.finish(status, message, self.observer.finished)

@@ -56,10 +56,14 @@ class Sequence:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
-    def finish(self, status: str, message: str = "") -> None:
+    def finish(self, status: str, message: str = "", observe: Callable[["Sequence"], None] | None = None) -> None:
+        """Settle the outcome, let `observe` record it (metrics), then hand it over (on_done): in
+        this order, so that a client never sees a result its metrics do not yet count."""
         if self.status is not None:
             return
         self.status, self.message, self.done = status, message, time.monotonic()
         if status == OK:
             self.hypotheses = sorted(self.finished, key=lambda h: -h.score)[: self.options.n_best]
+        if observe is not None:
+            observe(self)
         self.on_done(self)
