@@ -11,9 +11,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from proto import gret_serve_pb2 as pb
 from server.client import Client
-from tests.served import RunningServer, config_for, train_models
+from tests.served import RunningServer, config_for
 from training import search
 from training.checkpoint import load_checkpoint
 from training.data import encode_source, load_examples
@@ -23,8 +22,8 @@ CODE = grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return train_models(tmp_path_factory.mktemp("served"))
+def models(served_models):
+    return served_models
 
 
 @pytest.fixture(scope="module")
