@@ -10,6 +10,7 @@ only when decoding itself failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -81,11 +82,25 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=models)
 
     # ---- one call -----------------------------------------------------------------------------
-    async def _unary(self, method, task, request, context, source="", target=""):
-        start, model = time.monotonic(), self._label(request.model)
+    @contextlib.asynccontextmanager
+    async def _accounted(self, method, request, context):
+        """Counts the call by model, method and final status, and turns a CallError into that
+        status. The body sets call["model"] once the model is known."""
+        call = {"model": self._label(request.model), "start": time.monotonic()}
         try:
+            yield call
+        except CallError as e:
+            self._count(call["model"], method, e.code, call["start"])
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            self._count(call["model"], method, grpc.StatusCode.CANCELLED, call["start"])
+            raise
+        self._count(call["model"], method, grpc.StatusCode.OK, call["start"])
+
+    async def _unary(self, method, task, request, context, source="", target=""):
+        async with self._accounted(method, request, context) as call:
             pipeline, seqs, done = await self._submit(task, request, context, source, target)
-            model = pipeline.entry.name
+            call["model"] = pipeline.entry.name
             try:
                 await asyncio.gather(*done)
             except asyncio.CancelledError:
@@ -93,21 +108,13 @@ class InferenceService(pb_grpc.InferenceServicer):
                 raise
             self._raise_failures(seqs)
             results = [await self._result(pipeline, i, s) for i, s in enumerate(seqs)]
-            response = pb.GenerateResponse(model=model, model_version=pipeline.entry.version, results=results)
-        except CallError as e:
-            self._count(model, method, e.code, start)
-            await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            self._count(model, method, grpc.StatusCode.CANCELLED, start)
-            raise
-        self._count(model, method, grpc.StatusCode.OK, start)
-        return response
+            return pb.GenerateResponse(model=pipeline.entry.name, model_version=pipeline.entry.version,
+                                       results=results)
 
     async def _stream(self, method, task, request, context, source="", target=""):
-        start, model = time.monotonic(), self._label(request.model)
-        try:
+        async with self._accounted(method, request, context) as call:
             pipeline, seqs, done = await self._submit(task, request, context, source, target)
-            model = pipeline.entry.name
+            call["model"] = pipeline.entry.name
             index = {id(f): i for i, f in enumerate(done)}
             pending = set(done)
             try:
@@ -116,18 +123,11 @@ class InferenceService(pb_grpc.InferenceServicer):
                     for f in sorted(finished, key=lambda f: index[id(f)]):
                         i = index[id(f)]
                         self._raise_failures([seqs[i]])
-                        yield pb.GenerateResponse(model=model, model_version=pipeline.entry.version,
+                        yield pb.GenerateResponse(model=pipeline.entry.name, model_version=pipeline.entry.version,
                                                   results=[await self._result(pipeline, i, seqs[i])])
             except (asyncio.CancelledError, CallError):
                 self._cancel(pipeline, seqs)
                 raise
-        except CallError as e:
-            self._count(model, method, e.code, start)
-            await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            self._count(model, method, grpc.StatusCode.CANCELLED, start)
-            raise
-        self._count(model, method, grpc.StatusCode.OK, start)
 
     async def _submit(self, task, request, context, source, target):
         if self.draining:
