@@ -62,7 +62,11 @@ class BearerToken(grpc.aio.ServerInterceptor):
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
     """A request that is not a valid message of its type (broken wire format, a string that is not
-    UTF-8) gets INVALID_ARGUMENT; without this, grpc answers UNKNOWN."""
+    UTF-8) gets INVALID_ARGUMENT; without this, grpc answers UNKNOWN. Refusals are counted like
+    any other call (no model label: the request could not be read)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -70,6 +74,7 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             return handler
         method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[details.method.rsplit("/", 1)[1]]
         parse, message = handler.request_deserializer, f"the request is not a valid {method.input_type.full_name}"
+        refused = self.metrics.requests.labels("", method.name, grpc.StatusCode.INVALID_ARGUMENT.name)
 
         def deserialize(raw: bytes):
             try:
@@ -80,12 +85,14 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             async def unary(request, context):
                 if isinstance(request, DecodeError):
+                    refused.inc()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message}: {request}")
                 return await handler.unary_unary(request, context)
             return grpc.unary_unary_rpc_method_handler(unary, deserialize, handler.response_serializer)
 
         async def stream(request, context):
             if isinstance(request, DecodeError):
+                refused.inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message}: {request}")
             async for response in handler.unary_stream(request, context):
                 yield response
@@ -108,7 +115,7 @@ class App:
         """Starts everything; returns the bound gRPC port (config port 0 picks a free one)."""
         c = self.config
         limit = c.max_message_mb << 20
-        interceptors = ([BearerToken(c.token())] if c.token() else []) + [MalformedRequests()]
+        interceptors = ([BearerToken(c.token())] if c.token() else []) + [MalformedRequests(self.metrics)]
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         pb_grpc.add_InferenceServicer_to_server(self.service, self.server)

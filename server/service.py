@@ -92,8 +92,11 @@ class InferenceService(pb_grpc.InferenceServicer):
         except CallError as e:
             self._count(call["model"], method, e.code, call["start"])
             await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            self._count(call["model"], method, grpc.StatusCode.CANCELLED, call["start"])
+        except asyncio.CancelledError:  # grpc cancels the handler for both a client's cancel and a deadline
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            self._count(call["model"], method, code, call["start"])
             raise
         self._count(call["model"], method, grpc.StatusCode.OK, call["start"])
 

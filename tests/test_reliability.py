@@ -107,7 +107,7 @@ def option_problem(options: pb.DecodingOptions) -> str:
               ("n_best", 1 <= o["n_best"] <= min(o["beam_size"], FUZZ_LIMITS["max_beam"])),
               ("length_penalty", 0 <= o["length_penalty"] <= 10),  # NaN fails every comparison
               ("max_length_ratio", 0 <= o["max_length_ratio"] <= 10),
-              ("max_length_offset", o["max_length_offset"] <= most),
+              ("max_length_offset", o["max_length_offset"] <= 10_000),  # only shapes the limit
               ("max_length", o["max_length"] <= most),
               ("min_length", o["min_length"] <= most and (not o["max_length"] or o["min_length"] <= o["max_length"])),
               ("no_repeat_ngram_size", o["no_repeat_ngram_size"] <= 8)]

@@ -3,6 +3,8 @@ the offline beam search's, every bad request gets its status code and a message 
 to fix, and the standard services (health, reflection, metrics) answer."""
 from __future__ import annotations
 
+import re
+import time
 import urllib.request
 
 import grpc
@@ -178,13 +180,24 @@ def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp
         with Client(running.address, timeout=60) as c:
             c.translate([secret], target="en")
             status_of(lambda: c.translate([], target="en"))
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            raw = c.channel.unary_unary("/gretserve.v1.Inference/Translate")  # bytes in, bytes out
+            status_of(lambda: raw(b"\xff\xff not a message", timeout=10))
+        with Client(running.address, timeout=0.5) as hurried:  # arrives, then expires while decoding
+            status_of(lambda: hurried.translate(german(64), target="en", beam_size=8, min_length=200))
+        deadline_line = 'gret_serve_requests_total{code="DEADLINE_EXCEEDED",method="Translate",model="tiny-de-en"} 1.0'
+        for _ in range(50):  # the server counts it when grpc cancels the handler, just after the client gives up
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            if deadline_line in body:
+                break
+            time.sleep(0.1)
     finally:
         running.stop()
     assert 'gret_serve_requests_total{code="OK",method="Translate",model="tiny-de-en"} 1.0' in body
-    assert 'gret_serve_requests_total{code="INVALID_ARGUMENT",method="Translate",model=""} 1.0' in body
+    assert 'gret_serve_requests_total{code="INVALID_ARGUMENT",method="Translate",model=""} 2.0' in body
+    assert deadline_line in body
     assert 'gret_serve_texts_total{model="tiny-de-en",status="ok"} 1.0' in body
-    assert 'gret_serve_encoder_cache_misses_total{model="tiny-de-en"} 1.0' in body
+    misses = re.search(r'gret_serve_encoder_cache_misses_total\{model="tiny-de-en"\} (\d+)', body)
+    assert misses and int(misses.group(1)) >= 1  # the hurried call may have encoded some of its texts
     assert "gret_serve_rows_per_step_bucket" in body and "gret_serve_model_info{" in body
     assert "Geheimnis" not in body and "Katze" not in body
 

@@ -55,9 +55,9 @@ study() {
 ship() {
   local giga="--dataset gigaword --dropout 0.3"
   run giga-vanilla $SUM_BASE $giga --batch-tokens 3000 --eval-every 250
-  run ende-vanilla 2000 --src en --tgt de --batch-tokens 3000 --dropout 0.1 --eval-every 500
   continued giga-control runs/giga-vanilla $giga
   continued giga-gret-full runs/giga-vanilla $giga --gret full
+  run ende-vanilla 2000 --src en --tgt de --batch-tokens 3000 --dropout 0.1 --eval-every 500
   local aeslc="--dataset aeslc --dropout 0.3"
   run aeslc-vanilla $SUM_BASE $aeslc --batch-tokens 3000 --eval-every 250
   continued aeslc-control runs/aeslc-vanilla $aeslc

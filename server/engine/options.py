@@ -44,8 +44,8 @@ class DecodingOptions:
                 f"1..beam_size ({self.beam})")
         require(0.0 <= self.length_penalty <= 10.0, "length_penalty", self.length_penalty, "0..10")
         require(0.0 <= self.max_len_a <= 10.0, "max_length_ratio", self.max_len_a, "0..10")
-        require(0 <= self.max_len_b <= limits.max_output_tokens, "max_length_offset", self.max_len_b,
-                f"0..{limits.max_output_tokens}")
+        # the ratio and offset only shape the limit; output_limit caps it at max_output_tokens
+        require(0 <= self.max_len_b <= 10_000, "max_length_offset", self.max_len_b, "0..10000")
         require(0 <= self.max_length <= limits.max_output_tokens, "max_length", self.max_length,
                 f"0..{limits.max_output_tokens} (0 = no absolute limit)")
         require(0 <= self.min_length <= limits.max_output_tokens, "min_length", self.min_length,
