@@ -122,9 +122,10 @@ def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, src_pad: torch.Tens
     present = []
 
     def self_attention(h):
-        k, v = layer.self_attn.keys_values(h)
-        present.extend([torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)])
-        return layer.self_attn.attend(layer.self_attn.split(layer.self_attn.q(h)), *present, key_pad=self_pad)
+        a, x = layer.self_attn, h[:, 0]
+        k, v = torch.cat([past_k, one_position(a, a.k(x))], 2), torch.cat([past_v, one_position(a, a.v(x))], 2)
+        present.extend([k, v])
+        return a.o(attention(one_position(a, a.q(x)), k, v, ~self_pad[:, None, None, :]).flatten(1))[:, None]
 
     def cross_attention(h):
         return grouped_cross_attention(layer.cross_attn, h, memory, src_pad, *groups, kernels)
@@ -147,9 +148,23 @@ def grouped_cross_attention(attn, h: torch.Tensor, memory, src_pad: torch.Tensor
         out = grouped_cross_attention_kernel(q.transpose(1, 2).flatten(0, 1)[:, :, None], *memory, src_pad, width)
         out = out.flatten(1)  # (B * W, D)
     else:
-        out = F.scaled_dot_product_attention(q, *memory, attn_mask=~src_pad[:, None, None, :])
+        out = attention(q, *memory, ~src_pad[:, None, None, :])
         out = out.transpose(1, 2).flatten(2).flatten(0, 1)  # (B * W, D)
     return attn.o(out.index_select(0, row_slot))[:, None]
+
+
+def one_position(attn, x: torch.Tensor) -> torch.Tensor:
+    """(R, H*d) -> (R, H, 1, d) for a single position: a reshape, where split() is a transpose."""
+    return x.view(x.shape[0], attn.n_heads, 1, attn.d_head)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v, keys where `keep` is False masked; keep broadcasts to the scores.
+    Spelled out instead of scaled_dot_product_attention, whose exported form scales and transposes
+    all of K at every step (a copy of the whole cache); here ONNX Runtime folds the transpose into
+    the MatMul and only q is scaled."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
+    return scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
 
 
 def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, past_pad: torch.Tensor,
