@@ -54,10 +54,11 @@ class Ct2Translator:
     """precision picks the model folder ("fp32": ct2/, "int8": ct2.int8/ when exported with
     --quantize int8); device is "cpu" or "cuda"; compute_type is CTranslate2's: "default" computes
     in the type the weights are stored in, another type converts them at load time (e.g. "int8"
-    on the fp32 folder, "int8_float16" on a GPU); threads are CT2's intra-op threads."""
+    on the fp32 folder, "int8_float16" on a GPU); threads are CT2's intra-op threads, replicas its
+    inter_threads (calls from that many threads run in parallel)."""
 
     def __init__(self, directory: Path, precision: str = "fp32", device: str = "cpu",
-                 compute_type: str = "default", threads: int = 1, verify: bool = True):
+                 compute_type: str = "default", threads: int = 1, replicas: int = 1, verify: bool = True):
         directory = Path(directory)
         self.manifest = read_manifest(directory, verify)
         if self.manifest["backend"] != "ct2":
@@ -72,15 +73,17 @@ class Ct2Translator:
             raise ValueError(f"{folder / VOCABULARY} has {len(self.pieces)} pieces, the model {self.cfg.vocab_size}")
         self.ids = {piece: i for i, piece in enumerate(self.pieces)}
         self.translator = ctranslate2.Translator(str(folder), device=device, compute_type=compute_type,
-                                                 intra_threads=threads, inter_threads=1)
+                                                 intra_threads=threads, inter_threads=replicas)
 
     def translate(self, sources: list[list[int]], *, beam: int = 4, length_penalty: float = 1.0,
                   max_len_a: float = 1.5, max_len_b: int = 10, max_length: int | None = None,
                   min_length: int = 0, n_best: int = 1, no_repeat_ngram_size: int = 0,
-                  return_scores: bool = True) -> list[list[Translation]]:
+                  return_scores: bool = True, max_batch_size: int = 0) -> list[list[Translation]]:
         """sources: token ids as the model reads them (training.data.encode_source: pieces + EOS,
         no padding). Returns, per source, its n_best translations, best first. Output lengths
-        count EOS: at most max_length (or a * src_len + b) tokens, at least min_length before EOS."""
+        count EOS: at most max_length (or a * src_len + b) tokens, at least min_length before EOS.
+        max_batch_size > 0 cuts the call into sub-batches, which CTranslate2's replicas decode in
+        parallel."""
         if beam < 1 or not 1 <= n_best <= beam:
             raise ValueError(f"need beam >= 1 and 1 <= n_best <= beam (got beam {beam}, n_best {n_best})")
         if min_length < 0 or no_repeat_ngram_size < 0:
@@ -99,7 +102,7 @@ class Ct2Translator:
                 [tokens[i] for i in members], beam_size=beam, num_hypotheses=n_best,
                 length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                 max_decoding_length=limit, min_decoding_length=min_length, max_input_length=0,
-                return_scores=return_scores, return_end_token=True)
+                return_scores=return_scores, return_end_token=True, max_batch_size=max_batch_size)
             for i, result in zip(members, results):
                 scores = result.scores if return_scores else [None] * len(result.hypotheses)
                 out[i] = [Translation(self._ids(h), s) for h, s in zip(result.hypotheses, scores)]

@@ -28,7 +28,8 @@ class ServerConfig:
     metrics_port: int = 9090  # 0: no metrics endpoint
     backend: str = "onnx"  # onnx | torch | ct2
     precision: str = "fp32"  # fp32 | int8
-    threads: int = 2  # intra-op threads per model
+    threads: int = 2  # intra-op threads per engine loop
+    workers: int = 1  # engine loops per model, each with its own running batch (uses workers x threads cores)
     batching: str = "continuous"  # continuous | request | none
     max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
@@ -64,7 +65,7 @@ class ServerConfig:
             problems.append(f"batching {self.batching!r} is not one of {', '.join(POLICIES)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
-        for name in ("port", "threads", "max_batch_tokens", "max_queue", "max_beam", "max_texts", "max_text_chars",
+        for name in ("port", "threads", "workers", "max_batch_tokens", "max_queue", "max_beam", "max_texts", "max_text_chars",
                      "max_output_tokens", "max_message_mb"):
             if getattr(self, name) < (0 if name == "port" else 1):
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")

@@ -18,7 +18,7 @@ class Ct2Engine(Engine):
         with self._cond:
             self._drop_doomed()
             seqs = self.scheduler.admit(0, 0)
-            self.observer.queue_depth(len(self.scheduler))
+            self.observer.queue_depth(self.queued())
         if not seqs:
             return
         start = time.monotonic()

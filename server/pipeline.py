@@ -23,7 +23,7 @@ from training.data import EOS
 from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
-from .engine.engine import Engine, Observer
+from .engine.engine import Engine, Observer, Replicas
 from .engine.options import DecodingOptions, Limits
 from .engine.scheduler import Scheduler
 from .engine.sequence import OK, Sequence
@@ -37,11 +37,13 @@ class InputError(ValueError):
     """Bad texts (-> INVALID_ARGUMENT); the message says which text and which limit."""
 
 
-def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threads: int = 1):
+def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threads: int = 1, workers: int = 1):
+    """One backend for all of a model's engine replicas: an ONNX Runtime session and a PyTorch
+    module may run from several threads at once; CTranslate2 needs a replica per thread."""
     if backend == "onnx":
         return OnnxBackend(entry.repository, precision=precision, threads=threads)
     if backend == "ct2":
-        return Ct2Translator(entry.repository, precision=precision, threads=threads)
+        return Ct2Translator(entry.repository, precision=precision, threads=threads, replicas=workers)
     if backend == "torch":
         if entry.checkpoint is None:
             raise ModelError(f"model {entry.name}: the torch backend needs the checkpoint, not a repository")
@@ -50,7 +52,7 @@ def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threa
 
 
 class Pipeline:
-    def __init__(self, entry: ModelEntry, engine: Engine, limits: Limits, backend: str, precision: str):
+    def __init__(self, entry: ModelEntry, engine: Engine | Replicas, limits: Limits, backend: str, precision: str):
         self.entry, self.engine, self.limits = entry, engine, limits
         self.backend, self.precision = backend, precision
         self.summarize = entry.task == "summarize"
@@ -128,14 +130,20 @@ class Pipeline:
 def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "fp32", threads: int = 1,
                    policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
                    cache_bytes: int = 256 << 20, limits: Limits = Limits(),
-                   observer: Observer | None = None) -> Pipeline:
+                   observer: Observer | None = None, workers: int = 1) -> Pipeline:
+    """`workers` engine loops (Replicas) of `threads` intra-op threads each; the batch budget
+    and the queue are per replica, the queue split so that the model still queues max_queue."""
+    model = make_backend(entry, backend, precision, threads, workers)
+    queue = -(-max_queue // workers)
     if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
-        engine = Ct2Engine(make_backend(entry, backend, precision, threads), entry.version,
-                           Scheduler("request", max_batch_tokens, max_queue), EncoderCache(0), observer, entry.name)
+        cache = EncoderCache(0)
+        engines = [Ct2Engine(model, entry.version, Scheduler("request", max_batch_tokens, queue), cache, observer,
+                             entry.name) for _ in range(workers)]
     else:
-        engine = Engine(make_backend(entry, backend, precision, threads), entry.version,
-                        Scheduler(policy, max_batch_tokens, max_queue), EncoderCache(cache_bytes), observer, entry.name)
-    return Pipeline(entry, engine, limits, backend, precision)
+        cache = EncoderCache(cache_bytes)
+        engines = [Engine(model, entry.version, Scheduler(policy, max_batch_tokens, queue), cache, observer,
+                          entry.name) for _ in range(workers)]
+    return Pipeline(entry, engines[0] if workers == 1 else Replicas(engines), limits, backend, precision)
 
 
 def verify_build(checkpoint: Path, repo: Path, threads: int = 2) -> dict:

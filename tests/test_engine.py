@@ -11,7 +11,7 @@ import torch
 from kernels.encoder_cache import EncoderCache
 from server.backends import TorchBackend
 from server.engine.batch import banned_tokens
-from server.engine.engine import Draining, Engine
+from server.engine.engine import Draining, Engine, Replicas
 from server.engine.options import DecodingOptions, Limits, OptionError
 from server.engine.scheduler import QueueFull, Scheduler
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Sequence
@@ -216,3 +216,36 @@ def test_the_torch_backend_runs_the_kernels_dispatch_path_with_unchanged_outputs
             engine.run_until_idle()
         outputs.append([[h.tokens for h in s.hypotheses] for s in seqs])
     assert outputs[0] == outputs[1]
+
+
+# ---- replicas ---------------------------------------------------------------------------------------
+def test_replicas_spread_one_request_over_their_loops_and_each_text_gets_its_offline_result():
+    model = tiny_model()
+    backend = TorchBackend(model)  # one backend, one cache: shared by the loops
+    cache = EncoderCache(1 << 24)
+    replicas = Replicas([Engine(backend, "v1", Scheduler(), cache) for _ in range(2)])
+    srcs = sources(model, [7, 3, 9, 5, 6, 4], seed=3)
+    options = DecodingOptions(beam=3, n_best=2)
+    seqs = [make_seq(model, s, options) for s in srcs]
+    replicas.submit(seqs)
+    assert [len(e.scheduler) for e in replicas.engines] == [3, 3] and replicas.queued() == 6
+    replicas.run_until_idle()
+    assert all(e.steps > 0 for e in replicas.engines) and replicas.idle()
+    for seq, src in zip(seqs, srcs):
+        assert seq.status == OK
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in offline(model, src, options)]
+
+
+def test_replicas_queue_a_request_whole_or_refuse_it_whole():
+    model = tiny_model()
+    replicas = Replicas([engine_for(model, max_waiting=2) for _ in range(2)])
+    srcs = sources(model, [5, 5, 5, 5, 5], seed=4)
+    with pytest.raises(QueueFull, match="at most 4; this request has 5"):
+        replicas.submit([make_seq(model, s) for s in srcs])
+    assert replicas.queued() == 0  # nothing of the refused request stayed
+    replicas.submit([make_seq(model, s) for s in srcs[:4]])
+    assert replicas.queued() == 4
+    replicas.drain()
+    with pytest.raises(Draining):
+        replicas.submit([make_seq(model, srcs[0])])
+    replicas.run_until_idle()

@@ -95,6 +95,21 @@ def test_warm_start_adds_gret_modules_and_keeps_the_parent_weights(fitted, tmp_p
     assert ckpt.model.capsule and ckpt.model.gate and log[0]["event"] == "start"
 
 
+def test_a_model_card_rebuilds_a_warm_started_model_from_its_parent_and_records_the_parent_weights(fitted, tmp_path):
+    from training.checkpoint import WEIGHTS
+    from training.ship import reproduction
+    import hashlib
+
+    child = tmp_path / "child"
+    run_train(child, "--init-from", str(fitted[0]), "--max-steps", "2", "--eval-every", "2", "--max-minutes", "30")
+    ckpt = load_checkpoint(child)[1]
+    assert ckpt.training["init_from"]["weights_sha256"] == hashlib.sha256((fitted[0] / WEIGHTS).read_bytes()).hexdigest()
+    parent_command, child_command = reproduction(ckpt, child / "log.jsonl")
+    assert parent_command.startswith(f"python -m training.train --out {fitted[0]} --max-steps 400 ")
+    assert child_command.startswith(f"python -m training.train --out {child} --max-steps 2 ")
+    assert f"--init-from {fitted[0]}" in child_command and "--max-minutes" not in child_command  # steps, not time
+
+
 ARCHITECTURE_FLAGS = {
     "gret_full": ["--gret", "full"],
     "multiview_gca": ["--multiview", "gca"],

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Checkpoint
 from .data import load_examples
 from .decode import corpus_translate
 from .metrics import bleu, chrf, rouge
@@ -33,6 +34,29 @@ def train_command(args: dict) -> str:
         flag = "--" + key.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return " ".join(["python -m training.train --out", str(args["out"])] + flags)
+
+
+def reproduction(ckpt, log: Path) -> list[str]:
+    """The commands that rebuild a checkpoint from nothing: for a warm-started run, its parent's
+    first. A run is rebuilt by training to the end of the invocation that wrote the selected
+    checkpoint (a run may have been extended since); a wall-clock limit is replaced by the step
+    it stopped at, which is reproducible."""
+    args = dict(ckpt.training.get("args", {}))
+    ends = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"event": "done"' in line] \
+        if log.exists() else []
+    written = ckpt.training.get("steps", 0)
+    if any(end >= written for end in ends):
+        args["max_steps"] = min(end for end in ends if end >= written)
+        args["max_minutes"] = vars(parse_args(["--out", "x"]))["max_minutes"]
+    lines = []
+    parent = ckpt.training.get("init_from")
+    if parent and (Path(parent["path"]) / "config.json").exists():
+        path = Path(parent["path"])
+        grand = Checkpoint.load(path)
+        lines += reproduction(grand, path / ("train_log.jsonl" if (path / "train_log.jsonl").exists() else "log.jsonl"))
+        if (path / "metrics.json").exists():  # a shipped parent: its fp16 weights are what the run started from
+            lines.append(f"python -m training.ship --checkpoint {grand.training['args']['out']} --out {path}")
+    return lines + [train_command(args)]
 
 
 def evaluate(model, sp, ckpt, beam: int) -> dict:
@@ -64,7 +88,7 @@ def serving_section(name: str) -> list[str]:
     ]
 
 
-def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command: str) -> str:
+def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, commands: list[str]) -> str:
     data, tr = ckpt.data, ckpt.training
     m = ckpt.model
     arch = ", ".join(k for k in ("capsule", "aggregate", "gate") if getattr(m, k)) or "vanilla"
@@ -86,11 +110,14 @@ def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command
         f"- Training: {tr.get('steps')} steps, {tr.get('wall_minutes')} minutes of training wall time on "
         f"{tr.get('args', {}).get('threads')} CPU threads (log: `train_log.jsonl`); selected checkpoint: {tr.get('selected')} "
         f"(validation {json.dumps(tr.get('best_valid'))}, greedy).",
+        *([f"- Warm-started from `{parent['path']}` ({parent['steps']} steps, {parent['wall_minutes']} minutes; "
+           f"weights sha256 {parent.get('weights_sha256', 'not recorded')[:12]}), which the first commands below "
+           "rebuild."] if (parent := tr.get("init_from")) else []),
         "- Weights: fp16 safetensors (`model.safetensors`), `config.json`, `spm.model`.",
         "",
         "## Reproduce",
         "```",
-        command,
+        *commands,
         f"python -m training.ship --checkpoint {tr.get('args', {}).get('out', 'runs/NAME')} --out models/{name} "
         f"--beam {beam}",
         "```",
@@ -123,9 +150,9 @@ def main(argv=None):
     if (args.checkpoint / "log.jsonl").exists():
         shutil.copy(args.checkpoint / "log.jsonl", args.out / "train_log.jsonl")
     (args.out / "metrics.json").write_text(json.dumps({"beam": args.beam, "splits": metrics}, indent=2) + "\n")
-    command = train_command(ckpt.training.get("args", {}))
+    commands = reproduction(ckpt, args.checkpoint / "log.jsonl")
     (args.out / "README.md").write_text(model_card(args.out.name, ckpt, model.num_parameters(), metrics,
-                                                   args.beam, command))
+                                                   args.beam, commands))
     print(json.dumps(metrics, indent=2))
 
 

@@ -166,8 +166,9 @@ class Trainer:
             parent = Checkpoint.load(args.init_from)
             base_cfg = parent.model
             self.data_cfg = parent.data
+            weights = hashlib.sha256((args.init_from / ck.WEIGHTS).read_bytes()).hexdigest()
             record["init_from"] = {"path": str(args.init_from), "steps": parent.training.get("steps"),
-                                   "wall_minutes": parent.training.get("wall_minutes")}
+                                   "wall_minutes": parent.training.get("wall_minutes"), "weights_sha256": weights}
         else:
             summarize = args.dataset != "multi30k"
             self.data_cfg = DataConfig(task="summarize" if summarize else "translate", dataset=args.dataset,
@@ -380,6 +381,7 @@ class Trainer:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         if procs.is_main:
             self.average()
+        self.save_state()  # the average may have raised the best: a later extension must know it
         # one digest per process: data parallelism must leave every replica identical
         digests = procs.gather(weights_digest(self.model))
         self.log({"event": "done", "step": self.step, "best": self.best, "wall": round(self.wall, 1),

@@ -8,6 +8,9 @@
 
 Requests are submitted from any thread (the gRPC event loop); each sequence's on_done runs on
 this thread, so it must only hand the result over (e.g. loop.call_soon_threadsafe).
+
+Replicas runs several such loops over one model (CTranslate2's inter_threads, Triton's instance
+count): each has its own running batch and thread, the backend and the encoder cache are shared.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 from kernels.encoder_cache import EncoderCache, cache_key, encode_cached
 
 from .batch import Batch
-from .scheduler import Scheduler
+from .scheduler import QueueFull, Scheduler
 from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
 
 log = logging.getLogger("server.engine")
@@ -49,10 +52,19 @@ class Engine:
         cfg = backend.cfg
         self.batch = Batch(cfg, cfg.n_heads, cfg.d_model // cfg.n_heads, torch.device("cpu"))
         self._cond = threading.Condition()
-        self._accepting = True
+        self.accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self.steps = 0  # decoder steps run (tests and benchmarks read it)
+        self.replicas: Replicas | None = None  # the group this loop belongs to, if any
+
+    def queued(self) -> int:
+        """Texts waiting for this model (all replicas'): what the queue-depth metric reports."""
+        return self.replicas.queued() if self.replicas else len(self.scheduler)
+
+    def load(self) -> int:
+        """Budget waiting and running here: where a replica group sends the next text."""
+        return sum(s.rows_budget for s in list(self.scheduler.waiting)) + self.batch.budget_used()
 
     # ---- API for other threads ---------------------------------------------------------------
     def start(self) -> "Engine":
@@ -62,10 +74,10 @@ class Engine:
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue a request's sequences (all or none). Raises QueueFull or Draining."""
         with self._cond:
-            if not self._accepting:
+            if not self.accepting:
                 raise Draining(f"model {self.name} is shutting down")
             self.scheduler.add(seqs)
-            self.observer.queue_depth(len(self.scheduler))
+            self.observer.queue_depth(self.queued())
             self._cond.notify()
 
     def wake(self) -> None:
@@ -76,13 +88,13 @@ class Engine:
     def drain(self) -> None:
         """Refuse new work; what is queued or running still completes."""
         with self._cond:
-            self._accepting = False
+            self.accepting = False
             self._cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new work, fail what is left with UNAVAILABLE, and end the thread."""
         with self._cond:
-            self._accepting = False
+            self.accepting = False
             self._stop = True
             self._cond.notify()
         if self._thread.is_alive():
@@ -109,7 +121,7 @@ class Engine:
         with self._cond:
             self._drop_doomed()
             admitted = self.scheduler.admit(len(self.batch), self.batch.budget_used())
-            self.observer.queue_depth(len(self.scheduler))
+            self.observer.queue_depth(self.queued())
         try:
             if admitted:
                 self._admit(admitted)
@@ -173,3 +185,71 @@ class Engine:
         self.batch = Batch(self.batch.cfg, self.batch.n_heads, self.batch.d_head, self.batch.device)
         for seq in seqs:
             seq.finish(status, message, self.observer.finished)
+
+
+class Replicas:
+    """`len(engines)` engine loops serving one model. A request's texts are spread one by one over
+    the replicas, each to the one with the least work, so one large request uses every replica.
+    The same interface as one Engine."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        self.cache = engines[0].cache
+        self._lock = threading.Lock()  # one submission at a time: all of a request's texts, or none
+        for e in engines:
+            e.replicas = self
+
+    @property
+    def steps(self) -> int:
+        return sum(e.steps for e in self.engines)
+
+    def queued(self) -> int:
+        return sum(len(e.scheduler) for e in self.engines)
+
+    def start(self) -> "Replicas":
+        for e in self.engines:
+            e.start()
+        return self
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        with self._lock:
+            if not self.engines[0].accepting:
+                raise Draining(f"model {self.engines[0].name} is shutting down")
+            loads = [e.load() for e in self.engines]
+            shares: list[list[Sequence]] = [[] for _ in self.engines]
+            for seq in seqs:
+                i = loads.index(min(loads))
+                shares[i].append(seq)
+                loads[i] += seq.rows_budget
+            waiting = [len(e.scheduler) for e in self.engines]
+            if any(n + len(share) > e.scheduler.max_waiting for e, n, share in zip(self.engines, waiting, shares)):
+                capacity = sum(e.scheduler.max_waiting for e in self.engines)
+                raise QueueFull(f"the queue holds {sum(waiting)} texts and admits at most {capacity}; "
+                                f"this request has {len(seqs)}: retry later")
+            for e, share in zip(self.engines, shares):
+                if share:
+                    e.submit(share)
+
+    def wake(self) -> None:
+        for e in self.engines:
+            e.wake()
+
+    def drain(self) -> None:
+        with self._lock:  # never between two replicas' shares of one request
+            for e in self.engines:
+                e.drain()
+
+    def stop(self, timeout: float | None = None) -> None:
+        for e in self.engines:
+            e.stop(timeout)
+
+    def idle(self) -> bool:
+        return all(e.idle() for e in self.engines)
+
+    def run_until_idle(self) -> None:
+        """Offline: every replica drives its own batch on its own thread until all are idle."""
+        threads = [threading.Thread(target=e.run_until_idle) for e in self.engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
