@@ -11,6 +11,7 @@ and the fp32 reference is always there to compare against.
 """
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -55,8 +56,14 @@ def quantize_int8(src: Path, dst: Path) -> None:
 
     model = onnx.load(str(src))
     pretranspose_gemm_weights(model)
-    with tempfile.TemporaryDirectory() as tmp:
-        prepared = Path(tmp) / src.name
-        onnx.save(model, str(prepared))
-        quantize_dynamic(str(prepared), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
-                         weight_type=QuantType.QInt8)
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))  # the quantizer logs a line per tensor on the root logger
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            prepared = Path(tmp) / src.name
+            onnx.save(model, str(prepared))
+            quantize_dynamic(str(prepared), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
+                             weight_type=QuantType.QInt8)
+    finally:
+        root.setLevel(level)

@@ -3,6 +3,7 @@ the offline beam search's, every bad request gets its status code and a message 
 to fix, and the standard services (health, reflection, metrics) answer."""
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -11,9 +12,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from server.client import Client
+from server.reflect import main as reflect_main
 from tests.served import RunningServer, config_for
 from training import search
 from training.checkpoint import load_checkpoint
@@ -151,21 +152,20 @@ def test_health_reports_serving_for_the_server_and_the_service(server, client):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_reflection_lets_a_client_discover_and_call_the_api_without_the_proto(client):
-    database = ProtoReflectionDescriptorDatabase(client.channel)
-    services = set(database.get_services())
-    assert {"gretserve.v1.Inference", "grpc.health.v1.Health"} <= services
-    from google.protobuf.descriptor_pool import DescriptorPool
-    from google.protobuf.message_factory import GetMessageClass
-
-    pool = DescriptorPool(database)  # what grpcurl does: types from the server, none compiled in
-    method = pool.FindServiceByName("gretserve.v1.Inference").FindMethodByName("Translate")
-    request_class, response_class = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
-    call = client.channel.unary_unary("/gretserve.v1.Inference/Translate",
-                                      request_serializer=request_class.SerializeToString,
-                                      response_deserializer=response_class.FromString)
-    response = call(request_class(texts=["Ein Hund."], target_language="en"), timeout=30)
-    assert response.results[0].hypotheses[0].text
+def test_reflection_lets_a_client_discover_and_call_the_api_without_the_proto(server, capsys):
+    """server.reflect does what grpcurl does: types from the server's reflection, JSON in and out."""
+    assert reflect_main([server.address, "list"]) == 0
+    assert {"gretserve.v1.Inference", "grpc.health.v1.Health"} <= set(capsys.readouterr().out.split())
+    assert reflect_main([server.address, "describe", "gretserve.v1.Inference"]) == 0
+    assert "rpc TranslateStream(gretserve.v1.TranslateRequest) returns (stream gretserve.v1.GenerateResponse)" \
+        in capsys.readouterr().out
+    body = json.dumps({"texts": ["Ein Hund.", "Zwei Katzen."], "target_language": "en", "options": {"n_best": 2}})
+    assert reflect_main([server.address, "call", "gretserve.v1.Inference/Translate", body]) == 0
+    response = json.loads(capsys.readouterr().out)
+    assert response["model"] == "tiny-de-en" and [r["index"] for r in response["results"]] == [0, 1]
+    assert all(len(r["hypotheses"]) == 2 for r in response["results"])
+    assert reflect_main([server.address, "call", "gretserve.v1.Inference/Summarize", '{"texts": [" "]}']) == 1
+    assert "INVALID_ARGUMENT: text 0 is empty" in capsys.readouterr().err
 
 
 def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp_path):

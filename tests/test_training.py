@@ -2,6 +2,7 @@
 architecture trains with the tiny preset and translates through the CLIs."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import sys
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from training import train, translate
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from training.data import load_examples
 from training.decode import corpus_translate
+from training.ship import reproduction
 
 # A small real subset: the first 60 Multi30K pairs, a 300-piece vocabulary.
 COMMON = ["--preset", "tiny", "--train-limit", "60", "--valid-limit", "8", "--vocab-size", "300",
@@ -95,19 +97,16 @@ def test_warm_start_adds_gret_modules_and_keeps_the_parent_weights(fitted, tmp_p
     assert ckpt.model.capsule and ckpt.model.gate and log[0]["event"] == "start"
 
 
-def test_a_model_card_rebuilds_a_warm_started_model_from_its_parent_and_records_the_parent_weights(fitted, tmp_path):
-    from training.checkpoint import WEIGHTS
-    from training.ship import reproduction
-    import hashlib
-
-    child = tmp_path / "child"
-    run_train(child, "--init-from", str(fitted[0]), "--max-steps", "2", "--eval-every", "2", "--max-minutes", "30")
+def test_a_model_card_rebuilds_a_warm_started_model_from_its_parent_and_records_the_parent_weights(tmp_path):
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    run_train(parent, "--max-steps", "3", "--eval-every", "3")
+    run_train(child, "--init-from", str(parent), "--max-steps", "2", "--eval-every", "2", "--max-minutes", "30")
     ckpt = load_checkpoint(child)[1]
-    assert ckpt.training["init_from"]["weights_sha256"] == hashlib.sha256((fitted[0] / WEIGHTS).read_bytes()).hexdigest()
+    assert ckpt.training["init_from"]["weights_sha256"] == hashlib.sha256((parent / WEIGHTS).read_bytes()).hexdigest()
     parent_command, child_command = reproduction(ckpt, child / "log.jsonl")
-    assert parent_command.startswith(f"python -m training.train --out {fitted[0]} --max-steps 400 ")
-    assert child_command.startswith(f"python -m training.train --out {child} --max-steps 2 ")
-    assert f"--init-from {fitted[0]}" in child_command and "--max-minutes" not in child_command  # steps, not time
+    assert parent_command.startswith(f"python -m training.train --out {parent} ") and " --max-steps 3 " in parent_command
+    assert child_command.startswith(f"python -m training.train --out {child} ") and " --max-steps 2 " in child_command
+    assert f"--init-from {parent}" in child_command and "--max-minutes" not in child_command  # steps, not time
 
 
 ARCHITECTURE_FLAGS = {
