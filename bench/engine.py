@@ -193,6 +193,15 @@ def run(systems: dict, batches: list[list[int]]) -> tuple[dict, dict, dict]:
     return outputs, seconds, peak
 
 
+def time_split(system) -> dict | None:
+    """Our engine's busy time by part (shares of the sum), or None for other systems."""
+    if not isinstance(system, OurEngine):
+        return None
+    parts = system.engine.seconds
+    busy = sum(parts.values()) or 1.0
+    return {k: round(v / busy, 3) for k, v in parts.items()}
+
+
 def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs) -> dict:
     figures = {}
     for name in systems:
@@ -210,6 +219,7 @@ def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs)
             "identical_to_pytorch": None,
             "load_rss_mb": round(memory[name] / 2**20, 1),
             "decode_rss_mb": round(peak[name] / 2**20, 1),
+            "time_split": time_split(systems[name]),
             "_tokens": restored,
         }
     reference = figures[REFERENCE]["_tokens"]

@@ -70,6 +70,12 @@ def image(results: Path, name: str | None, out: Path, alt: str) -> str:
     return f"![{alt}]({Path(os.path.relpath(results / name, out.parent)).as_posix()})"
 
 
+def split(shares: dict | None) -> str:
+    if not shares:
+        return "—"
+    return " / ".join(f"{100 * shares[k]:.0f}%" for k in ("encode", "decoder", "search"))
+
+
 def engine_section(data: dict, results: Path, out: Path) -> str:
     s = data.get("settings", {})
     parts = [
@@ -84,9 +90,10 @@ def engine_section(data: dict, results: Path, out: Path) -> str:
         rows.append([f"`{name}`", f.get("bleu"), f.get("target_tokens_per_s"), f.get("sentences_per_s"),
                      f.get("load_rss_mb"), f.get("decode_rss_mb"), ratio(f.get("speed_vs_ct2-int8")),
                      ratio(f.get("speed_vs_pytorch")),
-                     f.get("identical_to_pytorch")])
+                     f.get("identical_to_pytorch"), split(f.get("time_split"))])
     parts.append(table(["system", "BLEU", "target tokens/s", "sentences/s", "RSS to load (MB)",
-                        "RSS rise decoding (MB)", "× ct2-int8", "× pytorch", "identical to pytorch"], rows))
+                        "RSS rise decoding (MB)", "× ct2-int8", "× pytorch", "identical to pytorch",
+                        "our engine's time: encoder / decoder steps / search"], rows))
     parts.append(targets_table(data.get("targets", {})))
     parts.append(image(results, data.get("plot"), out, "engine speed ratios"))
     return "\n\n".join(p for p in parts if p)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.__main__ import main as bench_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -59,5 +61,8 @@ def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_mode
         assert f["speed_vs_ct2-int8"]["median"] > 0 and f["speed_vs_pytorch"]["median"] > 0
     assert systems["engine-onnx-fp32"]["identical_to_pytorch"] == 1.0  # same math, fp32: same outputs
     assert (tmp_path / "bench-engine.png").read_bytes().startswith(PNG)
+    split = systems["engine-onnx-int8-2w"]["time_split"]  # our engine says where its time went
+    assert set(split) == {"encode", "decoder", "search"} and sum(split.values()) == pytest.approx(1, abs=0.01)
+    assert systems["ct2-int8"]["time_split"] is None
     assert result["settings"]["sentences"] == 64
     assert {"best_engine_vs_ct2_int8", "best_engine_vs_fastest_ct2_int8"} <= set(result["targets"])

@@ -83,7 +83,9 @@ class Batch:
         beam_max = max(s.options.beam for s in self.seqs)
         # Two-stage top-k: the best 2*beam tokens of each row, then the best 2*beam of each
         # sequence among its rows' candidates (the same set as one top-k over rows x vocab).
-        row_scores, row_tokens = (self.scores[:, None] + log_probs).topk(min(2 * beam_max, vocab), dim=1)
+        # A row's score shifts all its tokens alike, so it is added after the first stage.
+        row_scores, row_tokens = log_probs.topk(min(2 * beam_max, vocab), dim=1)
+        row_scores += self.scores[:, None]
         per_row = row_scores.shape[1]
         width = max(self.counts)
         index = torch.full((len(self.seqs), width), self.rows, dtype=torch.long)

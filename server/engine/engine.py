@@ -56,6 +56,8 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self.steps = 0  # decoder steps run (tests and benchmarks read it)
+        # where this loop's time goes: encoder passes, decoder steps (the backend), the search between them
+        self.seconds = {"encode": 0.0, "decoder": 0.0, "search": 0.0}
         self.replicas: Replicas | None = None  # the group this loop belongs to, if any
 
     def queued(self) -> int:
@@ -164,6 +166,7 @@ class Engine:
         done = time.monotonic()
         for s in seqs:
             s.encoded = done
+        self.seconds["encode"] += done - start
         self.observer.encoded(len(seqs), done - start)
         self.batch.join(seqs, enc)
 
@@ -172,9 +175,13 @@ class Engine:
         start = time.monotonic()
         rows = self.batch.rows
         log_probs, cache = self.backend.step(*self.batch.step_inputs())
+        stepped = time.monotonic()
         finished = self.batch.advance(log_probs, cache)
+        end = time.monotonic()
         self.steps += 1
-        self.observer.stepped(rows, time.monotonic() - start)
+        self.seconds["decoder"] += stepped - start
+        self.seconds["search"] += end - stepped
+        self.observer.stepped(rows, end - start)
         for seq in finished:
             seq.finish(OK, observe=self.observer.finished)
 
@@ -202,6 +209,10 @@ class Replicas:
     @property
     def steps(self) -> int:
         return sum(e.steps for e in self.engines)
+
+    @property
+    def seconds(self) -> dict[str, float]:  # thread-seconds, summed over the loops
+        return {k: sum(e.seconds[k] for e in self.engines) for k in self.engines[0].seconds}
 
     def queued(self) -> int:
         return sum(len(e.scheduler) for e in self.engines)

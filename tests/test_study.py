@@ -1,0 +1,39 @@
+"""docs/RESULTS.md is rendered from the evaluation JSON alone: every row, Δ and p-value comes
+from it, and the study's target (+1.0 over the control with p < 0.05) is checked from it."""
+from __future__ import annotations
+
+from training.study import render, target_line
+
+
+def system(name: str, delta: float | None = None, p: float | None = None, **arch) -> dict:
+    split = {"bleu": 40.0 + (delta or 0.0), "chrf": 60.0, "speed_vs_control": 0.95, "sentences_per_s": 10.0}
+    if delta is not None:
+        split["significance"] = {"bleu": {"delta": delta, "p_value": p}, "chrf": {"delta": 0.0, "p_value": 0.5}}
+    flags = {"capsule": False, "aggregate": False, "gate": False, "multiview": None, "pe_k": 1, "pos_tags": False,
+             "graph": None} | arch
+    return {"name": name, "parameters": 7_580_000, "arch": flags, "steps": 800, "init_from": {"steps": 1850},
+            "splits": {"test_2016_flickr": split}}
+
+
+def payload(*systems) -> dict:
+    return {"name": "study", "command": "python -m training.study evaluate ...", "task": "translate",
+            "dataset": "multi30k", "direction": "de-en", "control": "control",
+            "settings": {"beam": 4, "threads": 2, "bootstrap_samples": 1000, "commit": "abc123"},
+            "systems": [system("control"), *systems]}
+
+
+def test_the_target_is_met_only_by_a_gain_of_one_point_that_is_significant():
+    small = system("small-gain", 0.6, 0.01, capsule=True)
+    noisy = system("noisy-gain", 1.4, 0.20, capsule=True, gate=True)
+    assert "**not met** by any system; largest Δ +1.40 (`noisy-gain`" in target_line(payload(small, noisy), "bleu")
+    real = system("real-gain", 1.1, 0.004, capsule=True, aggregate=True, gate=True)
+    assert target_line(payload(small, real), "bleu").startswith(
+        "Target (Δbleu ≥ +1.0 with p < 0.05 against the control on a split): met; largest Δ +1.10 (`real-gain`")
+
+
+def test_each_system_is_one_row_in_json_order_with_its_delta_p_value_and_parent_steps():
+    lines = render(payload(system("gret", 0.35, 0.202, capsule=True, aggregate=True, gate=True)))
+    rows = [line for line in lines if line.startswith("| `")]
+    assert [r.split("|")[1].strip() for r in rows] == ["`control`", "`gret`"]
+    assert "| 1850+800 |" in rows[1] and "| +0.35 (0.202) |" in rows[1] and "| ✓ | ✓ | ✓ |" in rows[1]
+    assert "| — |" in rows[0]  # the control has no Δ against itself
