@@ -179,8 +179,7 @@ def measure(args, command: str) -> dict:
                      "intra_op_threads": args.threads, "ct2_calls": ct2_calls},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_average_1min": {"start": round(load_start[0], 2), "end": round(os.getloadavg()[0], 2)},
-                    "note": "the machine was shared with other jobs (two training runs), so absolute speeds "
-                            "are low and noisy; compare the ratios"},
+                    "note": args.note},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
                      "ctranslate2": ctranslate2.__version__},
         "systems": rows,
@@ -260,6 +259,8 @@ def main(argv=None) -> dict:
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (a quick check)")
     p.add_argument("--json", type=Path, default=PROJECT_ROOT / "docs" / "results" / "export-quality.json")
     p.add_argument("--doc", type=Path, default=PROJECT_ROOT / "docs" / "EXPORT.md")
+    p.add_argument("--note", default="a shared machine: absolute speeds move between runs, compare the ratios",
+                   help="what else the machine was doing during the run (goes into the report)")
     args = p.parse_args(argv)
     command = "python -m export.quality " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     report = measure(args, command)
