@@ -258,6 +258,20 @@ def test_options_are_honoured_n_best_count_and_max_length(client):
     assert all(h.tokens <= 3 for r in short for h in r.hypotheses)
 
 
+def test_a_server_with_two_engine_loops_per_model_answers_as_one_loop_does(models, client, tmp_path):
+    texts = german(10, offset=60)
+    one_loop = [r.hypotheses[0].text for r in client.translate(texts, target="en", beam_size=3).results]
+    running = RunningServer(config_for(models, tmp_path, models=["tiny-de-en"], workers=2))
+    try:
+        with Client(running.address, timeout=60) as c:
+            two_loops = [r.hypotheses[0].text for r in c.translate(texts, target="en", beam_size=3).results]
+        engines = running.registry.pipelines["tiny-de-en"].engine.engines
+        assert len(engines) == 2 and all(e.steps > 0 for e in engines)  # the call was spread over both
+    finally:
+        running.stop()
+    assert two_loops == one_loop
+
+
 def test_concurrent_calls_with_different_options_share_batches_and_match_one_at_a_time(client):
     from concurrent.futures import ThreadPoolExecutor
 
