@@ -428,13 +428,20 @@ def ended_calls(server: RunningServer, code: str) -> float:
         "gret_serve_requests_total", {"model": "tiny-de-en", "method": "Translate", "code": code}) or 0
 
 
-def test_a_cancelled_call_leaves_the_batch_at_the_next_step_and_the_others_are_unaffected(roomy, step_log):
+def beside_a_running_call(roomy, step_log, offset: int):
+    """A one-row call decoding in the engine (and its output when it ran alone); the engine will
+    hold once a 16-text beam-4 call has joined it. Returns (stub, the running call, its output alone)."""
     stub = pb_grpc.InferenceStub(grpc.insecure_channel(roomy.address))
-    other = request(german(1, offset=40), beam=1, **LONG)
+    other = request(german(1, offset=offset), beam=1, **LONG)
     alone = stub.Translate(other, timeout=60)
     running = stub.Translate.future(other, timeout=60)
     wait_until(lambda: 1 in step_log.steps)
     step_log.hold = 1 + 16 * 4  # both calls decoding, every beam of the second one filled
+    return stub, running, alone
+
+
+def test_a_cancelled_call_leaves_the_batch_at_the_next_step_and_the_others_are_unaffected(roomy, step_log):
+    stub, running, alone = beside_a_running_call(roomy, step_log, offset=40)
     cancelled = stub.Translate.future(request(german(16, offset=50), beam=4, **LONG), timeout=60)
     assert step_log.held.wait(60)
     before = ended_calls(roomy, "CANCELLED")
@@ -451,12 +458,7 @@ def test_a_cancelled_call_leaves_the_batch_at_the_next_step_and_the_others_are_u
 
 
 def test_an_expired_call_leaves_the_batch_at_the_next_step_and_the_others_are_unaffected(roomy, step_log):
-    stub = pb_grpc.InferenceStub(grpc.insecure_channel(roomy.address))
-    other = request(german(1, offset=41), beam=1, **LONG)
-    alone = stub.Translate(other, timeout=60)
-    running = stub.Translate.future(other, timeout=60)
-    wait_until(lambda: 1 in step_log.steps)
-    step_log.hold = 1 + 16 * 4
+    stub, running, alone = beside_a_running_call(roomy, step_log, offset=41)
     expiring = stub.Translate.future(request(german(16, offset=70), beam=4, **LONG), timeout=3.0)
     assert step_log.held.wait(60)
     assert expiring.exception(60).code() == CODE.DEADLINE_EXCEEDED  # while the engine waits
