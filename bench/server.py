@@ -77,7 +77,7 @@ class Plan:
 # batch of Multi30K sentences at beam 4, so a larger concurrency only lengthens the queue.
 FULL = Plan(rounds=2, concurrency=64, saturation_seconds=30, warmup_seconds=10, max_requests=2000,
             fractions=(0.25, 0.5, 0.75, 0.9), open_seconds=25, drain_seconds=60, offline_texts=64, cache_pairs=12)
-QUICK = Plan(rounds=1, concurrency=8, saturation_seconds=5, warmup_seconds=1, max_requests=100, fractions=(0.5,),
+QUICK = Plan(rounds=1, concurrency=8, saturation_seconds=5, warmup_seconds=1, max_requests=2000, fractions=(0.5,),
              open_seconds=5, drain_seconds=20, offline_texts=8, cache_pairs=2)
 
 
@@ -198,6 +198,9 @@ async def closed_loop(stub, model, texts, options, plan: Plan, concurrency: int)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(asyncio.shield(exhausted), timeout=plan.saturation_seconds)
     end = min(stop, exhausted.result()) if exhausted.done() else stop
+    if end <= begin + plan.warmup_seconds:
+        raise RuntimeError(f"all {plan.max_requests} calls ended inside the {plan.warmup_seconds} s warm-up: "
+                           "this machine needs a larger max_requests")
     running = sum(not t.done() for t in callers)
     for task in callers:
         task.cancel()
