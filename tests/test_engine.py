@@ -15,6 +15,7 @@ from server.engine.engine import Draining, Engine, Replicas
 from server.engine.options import DecodingOptions, Limits, OptionError
 from server.engine.scheduler import QueueFull, Scheduler
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Sequence
+from server.engine.topk import row_topk
 from tests.architectures import perturb, random_batch, tiny_config
 from training import search
 from training.model import Seq2Seq
@@ -95,6 +96,17 @@ def test_min_length_and_no_repeat_ngram_constrain_the_output():
     tokens = no_repeat.hypotheses[0].tokens
     bigrams = list(zip(tokens, tokens[1:]))
     assert len(bigrams) == len(set(bigrams))
+
+
+def test_the_row_topk_matches_torch_and_breaks_ties_to_the_lower_index():
+    log_probs = torch.randn(37, 500).log_softmax(1)
+    log_probs[3, [7, 9, 11]] = 5.0  # a three-way tie at the top of row 3
+    values, indices = row_topk()(log_probs, 8)
+    expected_values, _ = log_probs.topk(8, dim=1)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(log_probs.gather(1, indices), values)
+    assert indices[3, :3].tolist() == [7, 9, 11]
+    assert row_topk()(log_probs[:0], 8)[0].shape == (0, 8)
 
 
 def test_banned_tokens_complete_an_earlier_ngram():

@@ -23,6 +23,7 @@ from kernels.encoder_cache import stack_states
 from training.model import EncoderState
 
 from .sequence import Hypothesis, Sequence
+from .topk import row_topk
 
 NEG_INF = float("-inf")
 
@@ -84,16 +85,14 @@ class Batch:
         # Two-stage top-k: the best 2*beam tokens of each row, then the best 2*beam of each
         # sequence among its rows' candidates (the same set as one top-k over rows x vocab).
         # A row's score shifts all its tokens alike, so it is added after the first stage.
-        row_scores, row_tokens = log_probs.topk(min(2 * beam_max, vocab), dim=1)
+        row_scores, row_tokens = row_topk()(log_probs, min(2 * beam_max, vocab))
         row_scores += self.scores[:, None]
         per_row = row_scores.shape[1]
-        width = max(self.counts)
-        index = torch.full((len(self.seqs), width), self.rows, dtype=torch.long)
-        starts, r = [], 0
-        for i, c in enumerate(self.counts):
-            index[i, :c] = torch.arange(r, r + c)
-            starts.append(r)
-            r += c
+        counts = torch.tensor(self.counts)
+        starts = torch.cumsum(counts, 0) - counts
+        slots = torch.arange(max(self.counts))
+        index = torch.where(slots < counts[:, None], starts[:, None] + slots, self.rows)  # R: the -inf row
+        starts = starts.tolist()
         padded = torch.cat([row_scores, row_scores.new_full((1, per_row), NEG_INF)])[index].view(len(self.seqs), -1)
         k = min(2 * beam_max, padded.shape[1])
         top_scores, top_pos = padded.topk(k, dim=1)
