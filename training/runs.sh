@@ -67,6 +67,9 @@ ship() {
   run ende-vanilla 2000 --src en --tgt de --batch-tokens 3000 --dropout 0.1 --eval-every 500
   local aeslc="--dataset aeslc --dropout 0.3"
   run aeslc-vanilla $SUM_BASE $aeslc --batch-tokens 3000 --eval-every 250
+  # the control's validation ROUGE still rose at its last evaluation: continue it further
+  run giga-long 1200 --init-from runs/giga-control --lr 5e-4 --warmup 200 --batch-tokens 3000 --eval-every 200 \
+    --average-last 3 $giga
   continued aeslc-control runs/aeslc-vanilla $aeslc
   continued aeslc-gret-full runs/aeslc-vanilla $aeslc --gret full
 }
