@@ -113,7 +113,7 @@ def server_section(data: dict, results: Path, out: Path) -> str:
         (f"Model `{s['model']}` ({s['architecture']}, version {s['model_version']}, {s['backend']}), beam {s['beam']}, "
          f"threads per server {s['threads']} (environment {s.get('server_env', {})}), one {s['split']} sentence per "
          "call, over gRPC on loopback. One server per batching policy, all running through the whole benchmark, "
-         f"taking turns. Encoder cache: {s['encoder_cache']}. Target tokens: {s['target_tokens']}."),
+         f"taking turns. Caches: {s.get('caches') or s.get('encoder_cache')}. Target tokens: {s['target_tokens']}."),
         "### Saturation",
         (f"Closed loop, {plan['concurrency']} concurrent callers, {plan['saturation_seconds']} s per point of which "
         f"the first {plan['warmup_seconds']} s are not counted; {plan['rounds']} round(s), each also decoding "
@@ -161,16 +161,17 @@ def server_section(data: dict, results: Path, out: Path) -> str:
             ["× saturation", "offered/s", "texts/s", "target tokens/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50",
              "ms per token p50", "ok/calls", "errors", "unfinished", "load", "CPU s"], rows))
     parts.append(image(results, data["plots"].get("latency"), out, "latency against throughput per policy"))
-    parts.append("### Encoder cache")
-    parts.append("One otherwise idle server (continuous batching, cache on): each text sent once (a miss), then at "
-                 "once again (a hit); end-to-end latency at the client. Medians over pairs, interquartile range "
-                 "in brackets.")
-    rows = [[f"`{r['options']}`", r["pairs"], ms(r["new_ms"]), ms(r["repeated_ms"]), ratio(r["speedup"]),
+    parts.append("### Caches")
+    parts.append("An otherwise idle server (continuous batching) per cache: each text sent once (a miss), then at "
+                 "once again (a hit); end-to-end latency at the client. The encoder cache skips only the encoder; "
+                 "the result cache answers an identical request (same source and options) without decoding. "
+                 "Medians over pairs, interquartile range in brackets.")
+    rows = [[r.get("cache", "encoder"), f"`{r['options']}`", r["pairs"], ms(r["new_ms"]), ms(r["repeated_ms"]), ratio(r["speedup"]),
              f"{r['hit_flags_as_expected']}/{r['pairs']}", r["output_tokens_median"]]
             for r in data["cache"].values()]
-    parts.append(table(["request options", "pairs", "new source (ms)", "repeated source (ms)", "speed-up",
+    parts.append(table(["cache hit", "request options", "pairs", "new source (ms)", "repeated source (ms)", "speed-up",
                         "cache flags as expected", "output tokens (median)"], rows))
-    parts.append(image(results, data["plots"].get("cache"), out, "encoder cache: new vs repeated source"))
+    parts.append(image(results, data["plots"].get("cache"), out, "caches: new vs repeated source"))
     parts.append("### Targets")
     parts.append("Judged on the default policy (continuous batching); the other policies are in the tables above.")
     parts.append(targets_table(data["targets"]))

@@ -6,11 +6,12 @@ policy: continuous, request, none), all started at once so that the policies can
      engine offline (no gRPC, in this process) on the same texts, as the in-run reference;
   2. latency against offered load: open loop (Poisson arrivals) at fractions of each policy's
      own saturation throughput, policies taking turns at every fraction;
-  3. the encoder cache: a new source, then the same source again, on a fourth (continuous)
-     server, at beam 4 and with a short greedy request (where the encoder's share is larger).
+  3. the caches: a new source, then the same source again, on a fourth (continuous) server with
+     only the encoder cache on, at beam 4 and with a short greedy request (where the encoder's
+     share is larger); and at beam 4 on a fifth with the result cache on too (the default).
 Requests carry one Multi30K test_2016_flickr German sentence each, beam 4. The load servers run
-with the encoder cache off (--cache-mb 0): texts repeat across points, and cache hits would
-flatter them. Every point is bounded in requests and in time.
+with both caches off (--cache-mb 0 --result-cache 0): texts repeat across points, and cache hits
+would flatter them. Every point is bounded in requests and in time.
 
 A checkpoint is exported to ONNX and verified on the first start (minutes); the export is kept
 in the server's build cache ($GRET_SERVE_CACHE, or --build-cache), so later runs start in seconds.
@@ -54,6 +55,7 @@ from training.data import PROJECT_ROOT, load_examples
 RESULTS = PROJECT_ROOT / "docs" / "results"
 POLICIES = ("continuous", "request", "none")
 CACHE_SERVER = "cache"  # the fourth server: continuous batching with the encoder cache on
+RESULTS_SERVER = "results"  # the fifth: the encoder cache and the result cache on (the defaults)
 TARGETS = {"saturation_vs_offline": 0.9, "p99_over_p50_at_half_load": 2.0, "cache_speedup": 2.0}
 CALL_TIMEOUT = 120.0  # gRPC deadline per call: far above any latency here; the benchmark's own bounds cut first
 GREEDY = {"beam_size": 1, "max_length": 4}  # few decoder steps: the encoder is a large share of the call
@@ -136,17 +138,17 @@ def server_env(args) -> dict:
     return {"OMP_NUM_THREADS": str(args.threads)}
 
 
-def server_flags(args, policy: str, cache: bool) -> list[str]:
+def server_flags(args, policy: str, encoder_cache: bool = False, result_cache: bool = False) -> list[str]:
     flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0",
              "--batching", policy, "--threads", str(args.threads), "--grace-seconds", "5"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]
-    return flags + ([] if cache else ["--cache-mb", "0"])
+    return flags + ([] if encoder_cache else ["--cache-mb", "0"]) + ([] if result_cache else ["--result-cache", "0"])
 
 
 def prepare(args) -> None:
     """Export + verify once, before four servers start (they would all export at the same time)."""
-    flags = server_flags(args, "continuous", cache=True)
+    flags = server_flags(args, "continuous")
     done = subprocess.run([sys.executable, "-m", "server", "--prepare-only", *flags], check=False, cwd=PROJECT_ROOT,
                           capture_output=True, text=True, env=os.environ | server_env(args))
     if done.returncode:
@@ -160,7 +162,8 @@ class Call:
     end: float
     code: str
     tokens: int = 0  # the best hypothesis's output pieces (end of sentence excluded)
-    cache_hit: bool = False
+    cache_hit: bool = False  # the encoder did not run
+    result_hit: bool = False  # answered from the result cache
 
     @property
     def seconds(self) -> float:
@@ -175,7 +178,8 @@ async def call(stub, model: str, text: str, options: dict, start: float | None =
     except grpc.aio.AioRpcError as e:
         return Call(start, time.perf_counter(), e.code().name)
     result = response.results[0]
-    return Call(start, time.perf_counter(), "OK", result.hypotheses[0].tokens, result.encoder_cache_hit)
+    return Call(start, time.perf_counter(), "OK", result.hypotheses[0].tokens, result.encoder_cache_hit,
+                result.result_cache_hit)
 
 
 async def closed_loop(stub, model, texts, options, plan: Plan, concurrency: int) -> dict:
@@ -286,16 +290,19 @@ class OfflineEngine:
                 "target_tokens_per_s": round(tokens / seconds, 1), "load_average": round(os.getloadavg()[0], 2)}
 
 
-# ---- the encoder cache ---------------------------------------------------------------------------
-async def cache_pairs(stub, model, texts, options) -> dict:
-    """Each text twice in a row on an otherwise idle server: first a miss, then a hit."""
+# ---- the caches ----------------------------------------------------------------------------------
+async def cache_pairs(stub, model, texts, options, cache: str = "encoder") -> dict:
+    """Each text twice in a row on an otherwise idle server: first a miss, then a hit of `cache`
+    (encoder | result)."""
     pairs = [(await call(stub, model, t, options), await call(stub, model, t, options)) for t in texts]
     pairs = [(new, again) for new, again in pairs if new.code == again.code == "OK"]
     new_ms = [p[0].seconds * 1000 for p in pairs]
     again_ms = [p[1].seconds * 1000 for p in pairs]
     ratios = [n / a for n, a in zip(new_ms, again_ms)]
     return {"options": options, "pairs": len(pairs), "failed_pairs": len(texts) - len(pairs),
-            "hit_flags_as_expected": sum(not n.cache_hit and a.cache_hit for n, a in pairs),
+            "cache": cache,
+            "hit_flags_as_expected": sum(not (n.cache_hit or n.result_hit) and a.cache_hit
+                                         and a.result_hit == (cache == "result") for n, a in pairs),
             "new_ms": spread(new_ms), "repeated_ms": spread(again_ms), "speedup": spread(ratios, 3),
             "output_tokens_median": statistics.median(p[0].tokens for p in pairs) if pairs else 0}
 
@@ -371,7 +378,8 @@ async def measure(servers: dict, offline: OfflineEngine, model: str, texts: list
         # texts the cache server has not seen: its warm-up used the first two
         fresh = texts[-2 * plan.cache_pairs:]
         cache = {"beam": await cache_pairs(stubs[CACHE_SERVER], model, fresh[::2], options),
-                 "greedy": await cache_pairs(stubs[CACHE_SERVER], model, fresh[1::2], GREEDY)}
+                 "greedy": await cache_pairs(stubs[CACHE_SERVER], model, fresh[1::2], GREEDY),
+                 "beam_result_cache": await cache_pairs(stubs[RESULTS_SERVER], model, fresh[::2], options, "result")}
     finally:
         for ch in channels.values():
             await ch.close()
@@ -468,7 +476,7 @@ def plot(result: dict, out_dir: Path) -> dict:
         ax.bar([i + 0.4 * offset for i in range(len(names))], medians, width=0.4, yerr=errors, label=label)
     ax.set_xticks([i + 0.2 for i in range(len(names))],
                   [f"{n}: {cache[n]['options']}\nspeed-up x{cache[n]['speedup']['median']}" for n in names], fontsize=7)
-    ax.set(ylabel="latency (ms), median and IQR", title="encoder cache, one idle server")
+    ax.set(ylabel="latency (ms), median and IQR", title="encoder / result cache, one idle server each")
     ax.legend(fontsize=7)
     fig.tight_layout()
     cache_png = out_dir / "bench-server-cache.png"
@@ -505,8 +513,9 @@ def main(argv=None) -> int:
     prepare(args)
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         servers = {}
-        for name in (*POLICIES, CACHE_SERVER):
-            flags = server_flags(args, "continuous" if name == CACHE_SERVER else name, cache=name == CACHE_SERVER)
+        for name in (*POLICIES, CACHE_SERVER, RESULTS_SERVER):
+            flags = server_flags(args, name if name in POLICIES else "continuous",
+                                 encoder_cache=name in (CACHE_SERVER, RESULTS_SERVER), result_cache=name == RESULTS_SERVER)
             servers[name] = ServerProcess(name, flags, Path(logs), server_env(args))
             stack.callback(servers[name].stop)
         for s in servers.values():
@@ -535,8 +544,9 @@ def main(argv=None) -> int:
                      "backend": f"{info.backend} {info.precision}", "threads": args.threads, "beam": args.beam,
                      "split": "multi30k test_2016_flickr (de)", "texts_per_call": 1, "quick": args.quick,
                      "seed": args.seed, "plan": dataclasses.asdict(plan), "greedy_options": GREEDY,
-                     "call_timeout_s": CALL_TIMEOUT, "server_env": server_env(args), "encoder_cache": "off on the three load servers "
-                     "(--cache-mb 0); default (256 MB) on the cache server",
+                     "call_timeout_s": CALL_TIMEOUT, "server_env": server_env(args), "caches": "both off on the three load servers "
+                     "(--cache-mb 0 --result-cache 0); the encoder cache (256 MB) alone on the cache server; "
+                     "both (the defaults) on the results server",
                      "target_tokens": "the best hypothesis's output pieces, end of sentence excluded"},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
                     "load_average_end": os.getloadavg(),

@@ -4,7 +4,7 @@ The soak: the real server (`python -m server`, a subprocess on loopback) under s
 long time. First a closed-loop ramp (1, 2, 4, ... callers, --ramp-seconds each) finds the
 saturation throughput (the median of its three best steps: on a shared machine a single step can
 be lucky); then Poisson arrivals at --load of it for --minutes. Each request carries one Multi30K
-test_2016_flickr German sentence at beam 4 (the API default); the encoder cache is off (the
+test_2016_flickr German sentence at beam 4 (the API default); the encoder and result caches are off (the
 texts repeat, and cache hits would flatter the figures). Recorded: every call's status and
 latency, the server's resident memory every 5 s (/proc), and the load average of the machine.
 
@@ -137,7 +137,7 @@ def verdicts(minutes: list[dict], calls: list[Call]) -> dict:
 async def run(args) -> dict:
     texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", "de", "en")]
     flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0", "--threads",
-             str(args.threads), "--cache-mb", "0", "--grace-seconds", "30"]
+             str(args.threads), "--cache-mb", "0", "--result-cache", "0", "--grace-seconds", "30"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]
     server = ServerProcess("soak", flags, Path(tempfile.mkdtemp(prefix="soak-")), server_env(args))

@@ -75,18 +75,20 @@ class Diagnostics(_message.Message):
     def __init__(self, gate: _Optional[_Iterable[float]] = ..., routing_agreement: _Optional[float] = ...) -> None: ...
 
 class TextResult(_message.Message):
-    __slots__ = ("index", "hypotheses", "diagnostics", "source_tokens", "encoder_cache_hit")
+    __slots__ = ("index", "hypotheses", "diagnostics", "source_tokens", "encoder_cache_hit", "result_cache_hit")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HYPOTHESES_FIELD_NUMBER: _ClassVar[int]
     DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     index: int
     hypotheses: _containers.RepeatedCompositeFieldContainer[Hypothesis]
     diagnostics: Diagnostics
     source_tokens: int
     encoder_cache_hit: bool
-    def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ...) -> None: ...
+    result_cache_hit: bool
+    def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., result_cache_hit: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("model", "model_version", "results")

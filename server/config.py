@@ -34,6 +34,7 @@ class ServerConfig:
     max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
     cache_mb: int = 256  # encoder cache per model
+    result_cache: int = 10000  # finished results kept per model, answered again without decoding (0: off)
     build_cache: str = ""  # where checkpoints are exported to ONNX (default ~/.cache/gret-serve)
     verify_build: bool = True  # a fresh export must reproduce the checkpoint's recorded score
     grace_seconds: float = 30.0  # SIGTERM: in-flight calls get this long to finish
@@ -65,6 +66,8 @@ class ServerConfig:
             problems.append(f"batching {self.batching!r} is not one of {', '.join(POLICIES)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
+        if self.result_cache < 0 or self.cache_mb < 0:
+            problems.append("result_cache and cache_mb must not be negative")
         for name in ("port", "threads", "workers", "max_batch_tokens", "max_queue", "max_beam", "max_texts", "max_text_chars",
                      "max_output_tokens", "max_message_mb"):
             if getattr(self, name) < (0 if name == "port" else 1):

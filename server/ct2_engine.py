@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 
 from .engine.engine import Engine
-from .engine.sequence import OK, Hypothesis
+from .engine.sequence import Hypothesis
 
 
 class Ct2Engine(Engine):
@@ -36,7 +36,7 @@ class Ct2Engine(Engine):
         self.steps += 1
         self.observer.stepped(sum(s.options.beam for s in seqs), time.monotonic() - start)
         for s in seqs:
-            s.finish(OK, observe=self.observer.finished)
+            self._answer(s)
 
     def _translate(self, options, seqs) -> None:
         results = self.backend.translate(

@@ -41,7 +41,8 @@ class Metrics:
         self.model_info = Gauge("gret_serve_model_info", "Loaded models (value 1)",
                                 ["model", "version", "task", "backend", "precision", "architecture"], registry=r)
         self._caches: dict[str, object] = {}
-        r.register(_CacheCollector(self._caches))
+        self._results: dict[str, object] = {}
+        r.register(_CacheCollector(self._caches, self._results))
 
     def observer(self, model: str) -> Observer:
         return _ModelObserver(self, model)
@@ -50,6 +51,7 @@ class Metrics:
         e = pipeline.entry
         self.model_info.labels(e.name, e.version, e.task, pipeline.backend, pipeline.precision, e.architecture).set(1)
         self._caches[e.name] = pipeline.engine.cache
+        self._results[e.name] = pipeline.engine.results
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         """Starts the HTTP exporter on a daemon thread; returns the HTTP server (for shutdown)."""
@@ -86,10 +88,10 @@ class _ModelObserver(Observer):
 
 
 class _CacheCollector:
-    """The encoder caches' own counters, read at scrape time."""
+    """The encoder and result caches' own counters, read at scrape time."""
 
-    def __init__(self, caches: dict):
-        self.caches = caches
+    def __init__(self, caches: dict, results: dict):
+        self.caches, self.results = caches, results
 
     def collect(self):
         families = {
@@ -107,3 +109,16 @@ class _CacheCollector:
             for key, family in families.items():
                 family.add_metric([model], stats[key])
         yield from families.values()
+        results = {
+            "hits": CounterMetricFamily("gret_serve_result_cache_hits", "Texts answered from the result cache",
+                                        labels=["model"]),
+            "misses": CounterMetricFamily("gret_serve_result_cache_misses", "Texts the result cache did not hold",
+                                          labels=["model"]),
+            "entries": GaugeMetricFamily("gret_serve_result_cache_entries", "Results held by the result cache",
+                                         labels=["model"]),
+        }
+        for model, cache in self.results.items():
+            stats = cache.stats()
+            for key, family in results.items():
+                family.add_metric([model], stats[key])
+        yield from results.values()

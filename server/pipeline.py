@@ -25,6 +25,7 @@ from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
 from .engine.engine import Engine, Observer, Replicas
 from .engine.options import DecodingOptions, Limits
+from .engine.result_cache import ResultCache
 from .engine.scheduler import Scheduler
 from .engine.sequence import OK, Sequence
 from .models import ModelEntry, ModelError, from_repository
@@ -130,19 +131,20 @@ class Pipeline:
 def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "fp32", threads: int = 1,
                    policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
                    cache_bytes: int = 256 << 20, limits: Limits = Limits(),
-                   observer: Observer | None = None, workers: int = 1) -> Pipeline:
+                   observer: Observer | None = None, workers: int = 1, result_cache: int = 0) -> Pipeline:
     """`workers` engine loops (Replicas) of `threads` intra-op threads each; the batch budget
     and the queue are per replica, the queue split so that the model still queues max_queue."""
     model = make_backend(entry, backend, precision, threads, workers)
     queue = -(-max_queue // workers)
+    results = ResultCache(result_cache)
     if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
         cache = EncoderCache(0)
         engines = [Ct2Engine(model, entry.version, Scheduler("request", max_batch_tokens, queue), cache, observer,
-                             entry.name) for _ in range(workers)]
+                             entry.name, results) for _ in range(workers)]
     else:
         cache = EncoderCache(cache_bytes)
         engines = [Engine(model, entry.version, Scheduler(policy, max_batch_tokens, queue), cache, observer,
-                          entry.name) for _ in range(workers)]
+                          entry.name, results) for _ in range(workers)]
     return Pipeline(entry, engines[0] if workers == 1 else Replicas(engines), limits, backend, precision)
 
 

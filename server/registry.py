@@ -36,7 +36,7 @@ class Registry:
                 pipeline = build_pipeline(
                     entry, config.backend, config.precision, config.threads, config.batching,
                     config.max_batch_tokens, config.max_queue, config.cache_mb << 20, config.limits(),
-                    metrics.observer(entry.name) if metrics else None, config.workers)
+                    metrics.observer(entry.name) if metrics else None, config.workers, config.result_cache)
             except Exception as e:  # whatever breaks loading (safetensors, ONNX Runtime, ...) is this folder's problem
                 problem = str(e) if isinstance(e, ModelError) else f"{folder}: {type(e).__name__}: {e}"
                 if not config.skip_bad_models:

@@ -192,7 +192,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                               log_prob=h.log_prob if scores else 0.0)
                 for text, h in zip(pipeline.texts(seq), seq.hypotheses)]
         result = pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src),
-                               encoder_cache_hit=seq.cache_hit)
+                               encoder_cache_hit=seq.cache_hit,
+                               result_cache_hit=seq.result_cache_hit)
         if seq.options.diagnostics:  # a PyTorch pass: off the event loop
             gate, agreement = await asyncio.get_running_loop().run_in_executor(None, pipeline.diagnostics, seq)
             result.diagnostics.CopyFrom(pb.Diagnostics(gate=gate, routing_agreement=agreement))

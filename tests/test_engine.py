@@ -14,7 +14,8 @@ from server.engine.batch import banned_tokens
 from server.engine.engine import Draining, Engine, Replicas
 from server.engine.options import DecodingOptions, Limits, OptionError
 from server.engine.scheduler import QueueFull, Scheduler
-from server.engine.sequence import CANCELLED, DEADLINE, OK, Sequence
+from server.engine.result_cache import ResultCache, result_key
+from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
 from server.engine.topk import row_topk
 from tests.architectures import perturb, random_batch, tiny_config
 from training import search
@@ -161,6 +162,37 @@ def test_a_repeated_source_skips_the_encoder():
     assert (first.cache_hit, second.cache_hit) == (False, True)
     assert engine.cache.stats()["misses"] == 1 and engine.cache.stats()["hits"] == 1
     assert [h.tokens for h in second.hypotheses] == [h.tokens for h in first.hypotheses]
+
+
+def test_a_repeated_request_is_answered_from_the_result_cache_without_decoding():
+    model = tiny_model()
+    src = sources(model, [9], seed=5)[0]
+    engine = Engine(TorchBackend(model), "v1", Scheduler("continuous"), EncoderCache(0), results=ResultCache(8))
+    first = make_seq(model, src, DecodingOptions(beam=3, n_best=2))
+    engine.submit([first])
+    engine.run_until_idle()
+    steps = engine.steps
+    again, other_options = make_seq(model, src, DecodingOptions(beam=3, n_best=2)), make_seq(model, src)
+    engine.submit([again, other_options])
+    assert again.status == OK and other_options.status is None  # answered inside submit; the other waits
+    assert [h.tokens for h in again.hypotheses] == [h.tokens for h in first.hypotheses]
+    assert again.result_cache_hit and not first.result_cache_hit
+    engine.run_until_idle()
+    assert engine.steps > steps and not other_options.result_cache_hit  # other options: decoded
+    assert engine.results.stats() == {"hits": 1, "misses": 2, "evictions": 0, "entries": 2}
+
+
+def test_a_request_refused_whole_is_not_answered_in_part_from_the_result_cache():
+    model = tiny_model()
+    srcs = sources(model, [5, 6], seed=7)
+    engine = Engine(TorchBackend(model), "v1", Scheduler("continuous", max_waiting=0), EncoderCache(0),
+                    results=ResultCache(8))
+    cached = make_seq(model, srcs[0])
+    engine.results.put(result_key("v1", cached), [Hypothesis([5, 6], -1.0, -2.0)])
+    new = make_seq(model, srcs[1])
+    with pytest.raises(QueueFull):
+        engine.submit([cached, new])
+    assert cached.status is None and new.status is None
 
 
 def test_admission_is_budgeted_in_beam_times_tokens_and_the_queue_is_bounded():

@@ -408,6 +408,9 @@ def step_log(roomy):
     engine.observer = log.observer
 
 
+# These servers are kept busy with the same texts again and again: each must be decoded again.
+DECODE_REPEATS = ("--result-cache", 0)
+
 # Exactly 128 output tokens whatever the source: the call stays in the batch for 128 steps.
 LONG = dict(max_length_ratio=10, max_length=128, min_length=128)
 
@@ -482,7 +485,8 @@ def test_sigterm_flips_readiness_finishes_every_call_in_flight_refuses_new_ones_
     metrics_port = free_port()
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
                            "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--grace-seconds", 30,
-                           "--max-batch-tokens", 6000, "--build-cache", tmp_path)
+                           "--max-batch-tokens", 6000, "--build-cache", tmp_path,
+                           *DECODE_REPEATS)
     try:
         address = server.wait_serving()
         texts = german(8, offset=100)
@@ -516,7 +520,8 @@ def test_calls_still_running_when_the_grace_period_ends_get_unavailable_and_the_
                                                                                                  tmp_path):
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
                            "--port", 0, "--metrics-port", 0, "--threads", 1, "--grace-seconds", 1,
-                           "--max-batch-tokens", 6000, "--build-cache", tmp_path)
+                           "--max-batch-tokens", 6000, "--build-cache", tmp_path,
+                           *DECODE_REPEATS)
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving()))
         work = request(german(16, offset=120), beam=4, **LONG)  # over the token budget: one call at a time
@@ -652,7 +657,8 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_memory_stays_bounde
     metrics_port = free_port()
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
                            "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--max-queue", 8,
-                           "--max-batch-tokens", 2000, "--build-cache", tmp_path)
+                           "--max-batch-tokens", 2000, "--build-cache", tmp_path,
+                           *DECODE_REPEATS)
     flood = request(german(2, offset=300), beam=2, max_length_ratio=10, max_length=60, min_length=60)
     codes, refused_in, accepted_in, memory, depths = collections.Counter(), [], [], [], []
     try:

@@ -98,6 +98,29 @@ def test_a_repeated_text_hits_the_encoder_cache(client):
     assert first.hypotheses[0].text == second.hypotheses[0].text
 
 
+def test_a_repeated_request_is_answered_from_the_result_cache_and_counted(models, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    running = RunningServer(config_for(models, tmp_path, metrics_port=port, models=["tiny-de-en"], result_cache=64))
+    try:
+        with Client(running.address, timeout=60) as c:
+            text = german(1, offset=40)
+            first = c.translate(text, target="en", n_best=2, return_scores=True).results[0]
+            again = c.translate(text, target="en", n_best=2, return_scores=True).results[0]
+            greedy = c.translate(text, target="en", beam_size=1).results[0]
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        running.stop()
+    assert (first.result_cache_hit, again.result_cache_hit, greedy.result_cache_hit) == (False, True, False)
+    assert again.encoder_cache_hit
+    assert [(h.text, h.score) for h in again.hypotheses] == [(h.text, h.score) for h in first.hypotheses]
+    assert 'gret_serve_result_cache_hits_total{model="tiny-de-en"} 1.0' in body
+    assert 'gret_serve_result_cache_entries{model="tiny-de-en"} 2.0' in body
+
+
 def test_list_models_describes_every_loaded_model(client):
     models = {m.name: m for m in client.list_models()}
     assert set(models) == {"tiny-de-en", "tiny-en-de", "tiny-headlines"}

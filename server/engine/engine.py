@@ -23,6 +23,7 @@ import torch
 from kernels.encoder_cache import EncoderCache, cache_key, encode_cached
 
 from .batch import Batch
+from .result_cache import ResultCache, result_key
 from .scheduler import QueueFull, Scheduler
 from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
 
@@ -44,9 +45,10 @@ class Observer:
 
 class Engine:
     def __init__(self, backend, version: str, scheduler: Scheduler, cache: EncoderCache | None = None,
-                 observer: Observer | None = None, name: str = "model"):
+                 observer: Observer | None = None, name: str = "model", results: ResultCache | None = None):
         self.backend, self.version, self.scheduler = backend, version, scheduler
         self.cache = cache if cache is not None else EncoderCache(0)
+        self.results = results if results is not None else ResultCache(0)
         self.observer = observer or Observer()
         self.name = name
         cfg = backend.cfg
@@ -74,7 +76,16 @@ class Engine:
         return self
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue a request's sequences (all or none). Raises QueueFull or Draining."""
+        """Answer what the result cache holds; queue the rest (all or none: QueueFull or Draining
+        leaves every sequence of the request unanswered)."""
+        if not self.accepting:
+            raise Draining(f"model {self.name} is shutting down")
+        hits, misses = split_cached(self.results, self.version, seqs)
+        if misses:
+            self.enqueue(misses)
+        answer_cached(hits, self.observer)
+
+    def enqueue(self, seqs: list[Sequence]) -> None:
         with self._cond:
             if not self.accepting:
                 raise Draining(f"model {self.name} is shutting down")
@@ -183,7 +194,14 @@ class Engine:
         self.seconds["search"] += end - stepped
         self.observer.stepped(rows, end - start)
         for seq in finished:
-            seq.finish(OK, observe=self.observer.finished)
+            self._answer(seq)
+
+    def _answer(self, seq: Sequence) -> None:
+        def record(s: Sequence) -> None:  # before the client hears of it: its next call may repeat it
+            self.results.put(result_key(self.version, s), s.hypotheses)
+            self.observer.finished(s)
+
+        seq.finish(OK, observe=record)
 
     def _fail_all(self, extra: list[Sequence], status: str, message: str) -> None:
         with self._cond:
@@ -194,6 +212,27 @@ class Engine:
             seq.finish(status, message, self.observer.finished)
 
 
+def split_cached(results: ResultCache, version: str, seqs: list[Sequence]
+                 ) -> tuple[list[tuple[Sequence, list]], list[Sequence]]:
+    """(sequences the result cache answers, with their hypotheses), (the sequences to decode)."""
+    hits, misses = [], []
+    for seq in seqs:
+        found = results.get(result_key(version, seq))
+        if found is None:
+            misses.append(seq)
+        else:
+            hits.append((seq, found))
+    return hits, misses
+
+
+def answer_cached(hits: list[tuple[Sequence, list]], observer: Observer) -> None:
+    for seq, hypotheses in hits:
+        seq.admitted = seq.encoded = time.monotonic()
+        seq.cache_hit = seq.result_cache_hit = True
+        seq.finished = list(hypotheses)
+        seq.finish(OK, observe=observer.finished)
+
+
 class Replicas:
     """`len(engines)` engine loops serving one model. A request's texts are spread one by one over
     the replicas, each to the one with the least work, so one large request uses every replica.
@@ -201,7 +240,7 @@ class Replicas:
 
     def __init__(self, engines: list[Engine]):
         self.engines = engines
-        self.cache = engines[0].cache
+        self.cache, self.results = engines[0].cache, engines[0].results
         self._lock = threading.Lock()  # one submission at a time: all of a request's texts, or none
         for e in engines:
             e.replicas = self
@@ -226,6 +265,7 @@ class Replicas:
         with self._lock:
             if not self.engines[0].accepting:
                 raise Draining(f"model {self.engines[0].name} is shutting down")
+            hits, seqs = split_cached(self.results, self.engines[0].version, seqs)
             loads = [e.load() for e in self.engines]
             shares: list[list[Sequence]] = [[] for _ in self.engines]
             for seq in seqs:
@@ -239,7 +279,8 @@ class Replicas:
                                 f"this request has {len(seqs)}: retry later")
             for e, share in zip(self.engines, shares):
                 if share:
-                    e.submit(share)
+                    e.enqueue(share)
+        answer_cached(hits, self.engines[0].observer)
 
     def wake(self) -> None:
         for e in self.engines:

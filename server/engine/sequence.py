@@ -46,7 +46,8 @@ class Sequence:
     admitted: float | None = None
     encoded: float | None = None
     done: float | None = None
-    cache_hit: bool = False
+    cache_hit: bool = False  # the encoder did not run for it (encoder cache or result cache)
+    result_cache_hit: bool = False  # answered from the result cache: no decoding either
 
     @property
     def rows_budget(self) -> int:
