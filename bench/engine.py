@@ -1,4 +1,4 @@
-"""python -m bench engine [--checkpoint models/multi30k-de-en] [--gret-checkpoint DIR] [--quick]
+"""python -m bench engine [--checkpoint models/multi30k-de-en-vanilla] [--gret-checkpoint models/multi30k-de-en] [--quick]
 
 Offline decoding speed, side by side in one run: a test split, beam 4, batches of 32 sentences
 (length-sorted), the same token ids into every system:
@@ -290,8 +290,11 @@ def plot(figures: dict, path: Path, title: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=PROJECT_ROOT / "models" / "multi30k-de-en")
-    p.add_argument("--gret-checkpoint", type=Path, help="a GRET checkpoint of the same task, for GRET vs vanilla")
+    p.add_argument("--checkpoint", type=Path, default=PROJECT_ROOT / "models" / "multi30k-de-en-vanilla",
+                   help="a vanilla checkpoint: CTranslate2 runs it too")
+    p.add_argument("--gret-checkpoint", type=lambda s: Path(s) if s else None,
+                   default=PROJECT_ROOT / "models" / "multi30k-de-en",
+                   help="a GRET checkpoint of the same task, for GRET vs vanilla ('' for none)")
     p.add_argument("--split", default="test_2016_flickr")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)

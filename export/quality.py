@@ -1,4 +1,4 @@
-"""python -m export.quality --checkpoint models/multi30k-de-en
+"""python -m export.quality --checkpoint models/multi30k-de-en-vanilla
 
 What exporting costs and buys, measured side by side in one run: the checkpoint is exported
 into a temporary folder as ONNX (fp32 + int8) and CTranslate2 (fp32 + int8) repositories, and a

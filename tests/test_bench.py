@@ -49,8 +49,8 @@ def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(
 
 def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_models, tmp_path):
     out = tmp_path / "bench-engine.json"
-    code = bench_main(["engine", "--quick", "--checkpoint", str(served_models / "tiny-en-de"), "--threads", "2",
-                       "--build-dir", str(tmp_path / "build"), "--out", str(out)])
+    code = bench_main(["engine", "--quick", "--checkpoint", str(served_models / "tiny-en-de"), "--gret-checkpoint", "",
+                       "--threads", "2", "--build-dir", str(tmp_path / "build"), "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     systems = result["systems"]
