@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from server.client import Client
 from server.reflect import main as reflect_main
-from tests.served import RunningServer, config_for
+from tests.served import RunningServer, config_for, free_port
 from training import search
 from training.checkpoint import load_checkpoint
 from training.data import encode_source, load_examples
@@ -99,11 +99,7 @@ def test_a_repeated_text_hits_the_encoder_cache(client):
 
 
 def test_a_repeated_request_is_answered_from_the_result_cache_and_counted(models, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     running = RunningServer(config_for(models, tmp_path, metrics_port=port, models=["tiny-de-en"], result_cache=64))
     try:
         with Client(running.address, timeout=60) as c:
@@ -192,11 +188,7 @@ def test_reflection_lets_a_client_discover_and_call_the_api_without_the_proto(se
 
 
 def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     running = RunningServer(config_for(models, tmp_path, metrics_port=port, models=["tiny-de-en"]))
     try:
         secret = "Geheimnisvolle Katze schläft."
