@@ -86,7 +86,8 @@ def engine_section(data: dict, results: Path, out: Path) -> str:
         "medians over batches with the interquartile range (> 1: faster than the named system)."),
         ("`-2w`: our engine as `--workers 2 --threads 1` runs it; `-2r`: CTranslate2 with 2 replicas "
          "(inter_threads) of 1 thread. The last column splits our engine's busy time: the encoder, the decoder "
-         "steps (ONNX Runtime or PyTorch) and the beam search between steps (Python: top-k, cache reordering). "
+         "steps (ONNX Runtime or PyTorch) and the beam search between steps (the per-row top-k, run as ONNX "
+         "Runtime's TopK on CPU; Python bookkeeping; cache reordering). "
          "ONNX Runtime's int8 quantizes each activation matrix with one scale, so a text's int8 output can depend "
          "on the texts that share its batch; fp32 outputs never do."),
     ]
