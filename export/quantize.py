@@ -58,7 +58,9 @@ def quantize_int8(src: Path, dst: Path) -> None:
     pretranspose_gemm_weights(model)
     root = logging.getLogger()
     level = root.level
-    root.setLevel(max(level, logging.WARNING))  # the quantizer logs a line per tensor on the root logger
+    # the quantizer logs a line per tensor on the root logger, and a warning advising its
+    # pre-processing pass on every call: neither is the user's to act on
+    root.setLevel(max(level, logging.ERROR))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             prepared = Path(tmp) / src.name
