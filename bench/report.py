@@ -141,8 +141,8 @@ def server_section(data: dict, results: Path, out: Path) -> str:
                      + ", ".join(f"`{n}` {p['saturation']['vs_bench_engine']}" for n, p in data["policies"].items())
                      + ".")
     else:
-        parts.append("No `docs/results/bench-engine.json` was there when this ran: the comparison is with the "
-                     "in-run offline engine only.")
+        parts.append("No `docs/results/bench-engine.json` of the same checkpoint and threads was there when this "
+                     "ran: the comparison is with the in-run offline engine only.")
     parts.append("### Latency against offered load")
     parts.append(f"Open loop: Poisson arrivals at a share of each policy's own saturation throughput for "
                  f"{plan['open_seconds']} s (at most {plan['max_requests']} calls); calls still running "

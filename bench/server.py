@@ -390,11 +390,15 @@ def median(points: list[dict], key: str) -> float:
     return round(statistics.median(p[key] for p in points), 3)
 
 
-def engine_reference(path: Path) -> dict | None:
-    """sentences/s of our engine on ONNX fp32 from `python -m bench engine`'s JSON, if there is one."""
+def engine_reference(path: Path, checkpoint: Path, threads: int) -> dict | None:
+    """sentences/s of our engine on ONNX fp32 from `python -m bench engine`'s JSON, if there is one
+    that ran the same checkpoint with the same threads (anything else is not a comparison)."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
+    settings = data.get("settings", {})
+    if settings.get("threads") != threads or Path(settings.get("checkpoint", "")).resolve() != checkpoint.resolve():
+        return None
     for name, figures in data.get("systems", {}).items():
         if name.endswith("onnx-fp32") and not name.startswith("gret"):
             return {"file": str(path.relative_to(PROJECT_ROOT) if path.is_relative_to(PROJECT_ROOT) else path),
@@ -525,7 +529,7 @@ def main(argv=None) -> int:
         offline = OfflineEngine(args)
         measured = asyncio.run(measure(servers, offline, args.model, texts, plan, args.beam, args.seed))
 
-    engine = engine_reference(args.engine_results)
+    engine = engine_reference(args.engine_results, args.models_dir / args.model, args.threads)
     sat = measured["saturation_texts_per_s"]
     policies = {}
     for name in POLICIES:
