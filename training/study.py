@@ -3,15 +3,17 @@
 python -m training.study evaluate --name translation --control runs/A --systems runs/B runs/C
 python -m training.study report            # every docs/results/*.json -> docs/RESULTS.md
 
-All systems are decoded in the same process with the same settings (beam, threads), so the
-speed column is a ratio measured side by side, and significance is a paired bootstrap against
-the control on the same sentences."""
+All systems are decoded in the same process with the same settings (beam, threads), and
+significance is a paired bootstrap against the control on the same sentences. The speed column
+is measured apart, in rounds in which the systems take turns on the same sentences (a change of
+machine load during one system's long decode would otherwise show as a speed difference)."""
 from __future__ import annotations
 
 import argparse
 import json
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +59,27 @@ def decode_system(path: Path, splits: tuple[str, ...], beam: int) -> dict:
     return out, data
 
 
+SPEED_SENTENCES, SPEED_ROUNDS = 200, 3
+
+
+def speed_rounds(paths: list[Path], split: str, beam: int) -> list[dict]:
+    """sentences/s of each system on the first SPEED_SENTENCES of `split`, per round; the systems
+    take turns (the order rotates every round), so all of them see the same machine load."""
+    loaded = [load_checkpoint(p) for p in paths]
+    data = loaded[0][1].data
+    sources = [e.source for e in load_examples(data.dataset, split, data.src_lang, data.tgt_lang)[:SPEED_SENTENCES]]
+    speeds = [[] for _ in paths]
+    for r in range(SPEED_ROUNDS):
+        order = list(range(len(paths)))
+        order = order[r % len(order):] + order[: r % len(order)]
+        for i in order:
+            model, ckpt, sp = loaded[i]
+            start = time.perf_counter()
+            corpus_translate(model, sp, sources, beam=beam, max_src_len=ckpt.data.max_src_len, src_lang=ckpt.data.src_lang)
+            speeds[i].append(round(len(sources) / (time.perf_counter() - start), 2))
+    return [{"split": split, "sentences": len(sources), "sentences_per_s_by_round": s} for s in speeds]
+
+
 def evaluate(name: str, control: Path, systems: list[Path], beam: int, threads: int, samples: int,
              command: str) -> Path:
     torch.set_num_threads(threads)
@@ -64,6 +87,11 @@ def evaluate(name: str, control: Path, systems: list[Path], beam: int, threads: 
     for path in [control] + systems:
         result, data = decode_system(path, TEST_SPLITS[dataset_of(path)], beam)
         results.append(result)
+    speeds = speed_rounds([control] + systems, TEST_SPLITS[data.dataset][0], beam)
+    for r, speed in zip(results, speeds):  # the median round-by-round ratio to the control
+        ratios = [mine / theirs for mine, theirs in zip(speed["sentences_per_s_by_round"],
+                                                         speeds[0]["sentences_per_s_by_round"])]
+        r["speed"] = speed | {"vs_control": round(statistics.median(ratios), 3)}
     translate = data.task == "translate"
     metric_names = ("bleu", "chrf") if translate else ("rouge1", "rouge2", "rougeL")
     base = results[0]
@@ -74,7 +102,6 @@ def evaluate(name: str, control: Path, systems: list[Path], beam: int, threads: 
             row = r["splits"][split]
             hyps = r["hyps"][split]
             row.update({"bleu": bleu(hyps, refs), "chrf": chrf(hyps, refs)} if translate else rouge(hyps, refs))
-            row["speed_vs_control"] = round(row["sentences_per_s"] / base["splits"][split]["sentences_per_s"], 3)
             if r is not base:
                 row["significance"] = {m: paired_bootstrap(base["hyps"][split], hyps, refs, m, samples=samples)
                                        for m in metric_names}
@@ -110,12 +137,16 @@ def render(payload: dict) -> list[str]:
     for split in splits:
         head += [f"{m} {split}" for m in metrics] + [f"Δ{metrics[0]} (p)"]
     head += ["speed ×"]
+    probe = payload["systems"][0].get("speed")
+    speed_text = (f"Speed: sentences/s relative to the control, the median over {len(probe['sentences_per_s_by_round'])} "
+                  f"rounds in which the systems take turns on the first {probe['sentences']} sentences of "
+                  f"`{probe['split']}`." if probe else
+                  f"Speed: sentences/s relative to the control, decoded in the same run on `{splits[0]}`.")
     lines = [f"## {payload['name']} — {payload['dataset']} {payload['direction']}", "",
              f"Control: `{payload['control']}`. Beam {payload['settings']['beam']}, "
              f"{payload['settings']['threads']} threads, commit {payload['settings']['commit']}; Δ and p from a "
              f"paired bootstrap ({payload['settings']['bootstrap_samples']} samples, one-sided: p = share of samples "
-             "where the system does not beat the control). Speed: sentences/s relative to the control, "
-             f"decoded in the same run on `{splits[0]}`. Command: `{payload['command']}`", "",
+             f"where the system does not beat the control). {speed_text} Command: `{payload['command']}`", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in payload["systems"]:
         a = s["arch"]
@@ -129,7 +160,8 @@ def render(payload: dict) -> list[str]:
             row += [f"{r[m]:.2f}" for m in metrics]
             sig = r.get("significance", {}).get(metrics[0])
             row.append(f"{sig['delta']:+.2f} ({sig['p_value']:.3f})" if sig else "—")
-        row.append(f"{s['splits'][splits[0]]['speed_vs_control']:.2f}")
+        speed = s["speed"]["vs_control"] if "speed" in s else s["splits"][splits[0]]["speed_vs_control"]
+        row.append(f"{speed:.2f}")
         lines.append("| " + " | ".join(row) + " |")
     return lines + ["", target_line(payload, metrics[0]), ""]
 
