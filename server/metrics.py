@@ -87,6 +87,20 @@ class _ModelObserver(Observer):
                 m.generated_tokens.labels(model).inc(len(seq.hypotheses[0].tokens))
 
 
+# (metric type, name, help) per key of a cache's stats()
+ENCODER_CACHE = {
+    "hits": (CounterMetricFamily, "gret_serve_encoder_cache_hits", "Sources found in the encoder cache"),
+    "misses": (CounterMetricFamily, "gret_serve_encoder_cache_misses", "Sources the encoder had to run on"),
+    "evictions": (CounterMetricFamily, "gret_serve_encoder_cache_evictions", "Entries evicted (LRU)"),
+    "bytes": (GaugeMetricFamily, "gret_serve_encoder_cache_bytes", "Bytes held by the encoder cache"),
+}
+RESULT_CACHE = {
+    "hits": (CounterMetricFamily, "gret_serve_result_cache_hits", "Texts answered from the result cache"),
+    "misses": (CounterMetricFamily, "gret_serve_result_cache_misses", "Texts the result cache did not hold"),
+    "entries": (GaugeMetricFamily, "gret_serve_result_cache_entries", "Results held by the result cache"),
+}
+
+
 class _CacheCollector:
     """The encoder and result caches' own counters, read at scrape time."""
 
@@ -94,31 +108,14 @@ class _CacheCollector:
         self.caches, self.results = caches, results
 
     def collect(self):
-        families = {
-            "hits": CounterMetricFamily("gret_serve_encoder_cache_hits", "Sources found in the encoder cache",
-                                        labels=["model"]),
-            "misses": CounterMetricFamily("gret_serve_encoder_cache_misses", "Sources the encoder had to run on",
-                                          labels=["model"]),
-            "evictions": CounterMetricFamily("gret_serve_encoder_cache_evictions", "Entries evicted (LRU)",
-                                             labels=["model"]),
-            "bytes": GaugeMetricFamily("gret_serve_encoder_cache_bytes", "Bytes held by the encoder cache",
-                                       labels=["model"]),
-        }
-        for model, cache in self.caches.items():
-            stats = cache.stats()
-            for key, family in families.items():
-                family.add_metric([model], stats[key])
-        yield from families.values()
-        results = {
-            "hits": CounterMetricFamily("gret_serve_result_cache_hits", "Texts answered from the result cache",
-                                        labels=["model"]),
-            "misses": CounterMetricFamily("gret_serve_result_cache_misses", "Texts the result cache did not hold",
-                                          labels=["model"]),
-            "entries": GaugeMetricFamily("gret_serve_result_cache_entries", "Results held by the result cache",
-                                         labels=["model"]),
-        }
-        for model, cache in self.results.items():
-            stats = cache.stats()
-            for key, family in results.items():
-                family.add_metric([model], stats[key])
-        yield from results.values()
+        yield from cache_families(self.caches, ENCODER_CACHE)
+        yield from cache_families(self.results, RESULT_CACHE)
+
+
+def cache_families(caches: dict, metrics: dict) -> list:
+    families = {key: kind(name, doc, labels=["model"]) for key, (kind, name, doc) in metrics.items()}
+    for model, cache in caches.items():
+        stats = cache.stats()
+        for key, family in families.items():
+            family.add_metric([model], stats[key])
+    return list(families.values())
