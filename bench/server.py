@@ -147,7 +147,7 @@ def server_flags(args, policy: str, encoder_cache: bool = False, result_cache: b
 
 
 def prepare(args) -> None:
-    """Export + verify once, before four servers start (they would all export at the same time)."""
+    """Export + verify once, before the five servers start (they would all export at the same time)."""
     flags = server_flags(args, "continuous")
     done = subprocess.run([sys.executable, "-m", "server", "--prepare-only", *flags], check=False, cwd=PROJECT_ROOT,
                           capture_output=True, text=True, env=os.environ | server_env(args))
