@@ -29,6 +29,7 @@ from .registry import ModelNotFound, Registry
 
 log = logging.getLogger("server.service")
 
+DEADLINE_SLACK_S = 0.25
 FAILURE_CODES = {DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED, CANCELLED: grpc.StatusCode.CANCELLED,
                  UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
@@ -93,8 +94,10 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._count(call["model"], method, e.code, call["start"])
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:  # grpc cancels the handler for both a client's cancel and a deadline
+            # The client's timer fires first and its cancel arrives a moment before our own
+            # deadline (the timeout travels relative): a cancel that close to it is the deadline.
             remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
+            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             self._count(call["model"], method, code, call["start"])
             raise

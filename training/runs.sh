@@ -72,6 +72,9 @@ ship() {
     --average-last 3 $giga
   continued aeslc-control runs/aeslc-vanilla $aeslc
   continued aeslc-gret-full runs/aeslc-vanilla $aeslc --gret full
+  # giga-long's validation peaked mid-run (step 800): polish its best checkpoint at a lower rate
+  run giga-polish 800 --init-from runs/giga-long --lr 2e-4 --warmup 100 --batch-tokens 3000 --eval-every 100 \
+    --average-last 3 --seed 2 $giga
 }
 
 case "${1:-}" in
