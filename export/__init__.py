@@ -10,10 +10,12 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
              -> src_pad (batch, src_len) bool [, global_state, gate_source (batch, D) for GRET],
                 cross_key.i / cross_value.i (batch, H, src_len, d_h) per decoder layer i
   decoder.onnx  tokens (R,) int64, positions (R,) int64, row_sentence (R,) int64,
-                past_pad (R, past_len) bool (True = a left-padded cache slot of a row that joined
-                late), the encoder's outputs, past_key.i / past_value.i (R, H, past_len, d_h),
-                past_len >= 0
-             -> log_probs (R, V) float32, present_key.i / present_value.i (R, H, past_len + 1, d_h)
+                past_pad (R, past_len) bool (True = a cache column that is not this row's: a row
+                may keep its keys in any columns), the encoder's outputs,
+                past_key.i / past_value.i (R, H, past_len, d_h), past_len >= 0
+             -> log_probs (R, V) float32, new_key.i / new_value.i (R, H, 1, d_h): only this step's
+                column, so the caller keeps the cache where it likes (server/engine/batch.py
+                writes it in place; decode_step appends it)
 
 Modules: spec.py (what the graphs hold), graphs.py (the PyTorch modules that are traced),
 onnx_export.py (trace + check), quantize.py, manifest.py (model.json), repository.py (assembles

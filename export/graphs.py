@@ -56,7 +56,7 @@ class EncoderGraph(nn.Module):
 class DecoderGraph(nn.Module):
     """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
     past_pad, the per-sentence tensors, past K/V per layer), positionally in spec order ->
-    log_probs (R, V), present K/V per layer (R, H, past_len + 1, d_h). Also the PyTorch backend
+    log_probs (R, V), this step's K/V per layer (R, H, 1, d_h). Also the PyTorch backend
     of the server, run eagerly (decoder_inputs() builds the inputs for both); there `kernels=True`
     routes the cross-attention and the context gate through kernels' dispatchers (Triton on CUDA),
     which tracing cannot follow."""
@@ -80,13 +80,12 @@ class DecoderGraph(nn.Module):
         # transposed copy cost ONNX Runtime as much as all the LayerNorms of a step).
         position = m.positions.index_select(0, positions)[:, None]  # (R, 1, D)
         x = m.embed.weight.index_select(0, tokens)[:, None] * math.sqrt(m.cfg.d_model) + position  # (R, 1, D)
-        self_pad = torch.cat([past_pad, torch.zeros_like(tokens, dtype=torch.bool)[:, None]], 1)  # new key: never padding
-        present = []
+        new = []
         groups = (named["group_rows"], named["row_slot"])
         for i, (layer, memory) in enumerate(zip(m.decoder, enc.memory)):
-            x, (k, v) = layer_step(layer, x, memory, enc.src_pad, groups, past[2 * i], past[2 * i + 1], self_pad,
+            x, (k, v) = layer_step(layer, x, memory, enc.src_pad, groups, past[2 * i], past[2 * i + 1], past_pad,
                                    self.kernels)
-            present += [k, v]
+            new += [k, v]
         # Seq2Seq.output with beam = 1, on per-row GRET tensors
         if m.context_gate is not None and self.kernels:  # LN_out + gate as one kernel on CUDA
             norm = m.dec_norm
@@ -99,7 +98,7 @@ class DecoderGraph(nn.Module):
             elif global_state is not None:
                 r = r + global_state
         log_probs = torch.log_softmax((r @ m.embed.weight.t()).float(), -1)
-        return (log_probs, *present)
+        return (log_probs, *new)
 
 
 def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,25 +113,26 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
 
 
 def layer_step(layer: DecoderLayer, x: torch.Tensor, memory, src_pad: torch.Tensor, groups, past_k: torch.Tensor,
-               past_v: torch.Tensor, self_pad: torch.Tensor, kernels: bool = False
+               past_v: torch.Tensor, past_pad: torch.Tensor, kernels: bool = False
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """DecoderLayer.forward for one new position with a cache, stated again from the layer's own
     parts: forward() derives its causal flag from a shape, which the tracer turns into a tensor.
-    The parity tests hold the two together."""
-    present = []
+    Returns the new position's K/V, not the grown cache. The parity tests hold the two together."""
+    new = []
 
     def self_attention(h):
         a, x = layer.self_attn, h[:, 0]
-        k, v = torch.cat([past_k, one_position(a, a.k(x))], 2), torch.cat([past_v, one_position(a, a.v(x))], 2)
-        present.extend([k, v])
-        return a.o(attention(one_position(a, a.q(x)), k, v, ~self_pad[:, None, None, :]).flatten(1))[:, None]
+        k, v = one_position(a, a.k(x)), one_position(a, a.v(x))
+        new.extend([k, v])
+        return a.o(attention_with_new(one_position(a, a.q(x)), past_k, past_v, ~past_pad[:, None, None, :],
+                                      k, v).flatten(1))[:, None]
 
     def cross_attention(h):
         return grouped_cross_attention(layer.cross_attn, h, memory, src_pad, *groups, kernels)
 
     x = layer.res_self(x, self_attention)
     x = layer.res_cross(x, cross_attention)
-    return layer.res_ffn(x, layer.ffn), (present[0], present[1])
+    return layer.res_ffn(x, layer.ffn), (new[0], new[1])
 
 
 def grouped_cross_attention(attn, h: torch.Tensor, memory, src_pad: torch.Tensor, group_rows: torch.Tensor,
@@ -167,12 +167,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     return scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
 
 
+def attention_with_new(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, keep: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """attention() over the past keys (masked where `keep` is False) and one new key (R, H, 1, d_h),
+    without concatenating it to the past: appending would copy the whole cache at every step."""
+    q = q * q.shape[-1] ** -0.5
+    past = (q @ past_k.transpose(-1, -2)).masked_fill(~keep, float("-inf"))  # (R, H, 1, T)
+    weights = torch.cat([past, (q * k).sum(-1, keepdim=True)], -1).softmax(-1)
+    return weights[..., :-1] @ past_v + weights[..., -1:] * v
+
+
 def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, past_pad: torch.Tensor,
                    enc: EncoderState, cache: list) -> dict[str, torch.Tensor]:
-    """The decoder step's inputs by name (a superset of any one model's spec)."""
+    """The decoder step's inputs by name (a superset of any one model's spec). A row whose
+    row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
     row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-    inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence, "row_slot": row_slot,
-              "group_rows": group_rows, "past_pad": past_pad}
+    inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence.clamp(min=0),
+              "row_slot": row_slot, "group_rows": group_rows, "past_pad": past_pad}
     inputs |= dict(zip(state_names(enc), flatten_state(enc)))
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))
@@ -182,17 +193,20 @@ def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: 
 def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_slot (R,), group_rows (B, W)) for rows in any order: row r is slot w of its sentence's
     group (its w-th row), row_slot[r] = sentence * W + w, group_rows[b, w] = that row, or R where
-    sentence b has fewer than W rows."""
+    sentence b has fewer than W rows. Rows of sentence -1 join no group (row_slot 0)."""
     rows = row_sentence.shape[0]
-    counts = torch.bincount(row_sentence, minlength=n_sentences)
-    width = max(1, int(counts.max())) if rows else 1
-    order = torch.sort(row_sentence, stable=True).indices
+    live = (row_sentence >= 0).nonzero()[:, 0]
+    sentence = row_sentence.index_select(0, live)
+    counts = torch.bincount(sentence, minlength=n_sentences)
+    width = max(1, int(counts.max())) if len(live) else 1
+    order = torch.sort(sentence, stable=True).indices
     first = torch.cumsum(counts, 0) - counts
-    within = torch.empty_like(row_sentence)
-    within[order] = torch.arange(rows) - first[row_sentence[order]]
-    row_slot = row_sentence * width + within
+    within = torch.empty_like(sentence)
+    within[order] = torch.arange(len(live)) - first[sentence[order]]
+    row_slot = torch.zeros(rows, dtype=torch.long)
+    row_slot[live] = sentence * width + within
     group_rows = torch.full((n_sentences * width,), rows, dtype=torch.long)
-    group_rows[row_slot] = torch.arange(rows)
+    group_rows[sentence * width + within] = live
     return row_slot, group_rows.view(n_sentences, width)
 
 

@@ -116,17 +116,15 @@ class OnnxModel:
             cache = [(empty, empty)] * self.cfg.dec_layers
         positions = torch.full((rows,), step, dtype=torch.long)
         past_pad = torch.zeros(rows, cache[0][0].shape[2], dtype=torch.bool)
-        return self.step(tokens, positions, row_sentence, past_pad, enc, cache)
+        log_probs, new = self.step(tokens, positions, row_sentence, past_pad, enc, cache)
+        return log_probs, [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(cache, new)]
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
              past_pad: torch.Tensor, enc: EncoderState, cache: list) -> tuple[torch.Tensor, list]:
         """One decoder step for rows at their own positions (continuous batching): see
-        export/graphs.py. Returns log-probabilities (R, V) and the cache grown by one column."""
-        rows = tokens.shape[0]
+        export/graphs.py. Returns log-probabilities (R, V) and this step's K/V per layer (R, H, 1, d_h)."""
         inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
-        present_len = cache[0][0].shape[2] + 1
-        sizes = {"rows": rows, "present_len": present_len}
-        shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
+        shapes = {t.name: tuple({"rows": tokens.shape[0]}.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
         outputs = self.decoder.run(inputs, shapes)
         new = [outputs[t.name] for t in self.decoder.spec.outputs[1:]]
         return outputs["log_probs"], [(new[2 * i], new[2 * i + 1]) for i in range(self.cfg.dec_layers)]

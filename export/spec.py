@@ -61,8 +61,8 @@ def past_names(layer: int) -> tuple[str, str]:
     return f"past_key.{layer}", f"past_value.{layer}"
 
 
-def present_names(layer: int) -> tuple[str, str]:
-    return f"present_key.{layer}", f"present_value.{layer}"
+def new_names(layer: int) -> tuple[str, str]:
+    return f"new_key.{layer}", f"new_value.{layer}"
 
 
 def _per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
@@ -101,7 +101,7 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
-        outputs += [TensorSpec(n, "float32", ("rows", heads, "present_len", d_head)) for n in present_names(i)]
+        outputs += [TensorSpec(n, "float32", ("rows", heads, 1, d_head)) for n in new_names(i)]
     weights = ["embed.", "dec_norm.", "context_gate.w_r."]
     weights += [f"decoder.{i}.{part}." for i in range(cfg.dec_layers) for part in DECODER_LAYER_PARTS]
     return GraphSpec("decoder", tuple(inputs), tuple(outputs), tuple(weights))

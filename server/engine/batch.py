@@ -1,13 +1,18 @@
 """The running batch: every live beam of every admitted sequence as one row of one decoder step.
 
-Layout (rows of a sequence are contiguous; sequences in admission order):
+Search state, in row order (rows of a sequence are contiguous; sequences in admission order):
   enc       EncoderState with one entry per sequence (never tiled per beam)
   row_seq   (R,) which sequence (index into `seqs`, and into enc) a row belongs to
-  tokens    (R,) each row's last token;  positions (R,) its next target position
+  tokens    (R,) each row's last token;  positions (R,) its next target position = keys cached
   scores    (R,) cumulative log-probability;  history: each row's tokens so far
-  cache     per decoder layer (K, V), each (R, H, T, d_h);  past_pad (R, T) True = padding
-A sequence that joins late gets a left-padded cache (masked by past_pad); columns that are
-padding for every row are trimmed after each step, so T stays the longest live history.
+The self-attention cache lives in slots that do not move when sequences join or leave:
+  kv        per decoder layer (K, V), each (slots, H, width, d_h); row r keeps its t-th key in
+            column t of slot `slot[r]`, so columns >= positions[r] are masked as not its own
+A joining sequence takes free slots (nothing is copied); a leaving one frees its slots. After a
+step the first surviving child of a beam keeps its parent's slot and gets the step's key written
+in place; only a second child of the same parent copies the parent's slot. The decoder step runs
+over slots 0..n-1 (the highest in use); empty slots among them are computed and ignored, and
+are refilled first, or closed up by moving the top rows down once they are many.
 
 The search rules are training.search.beam_search's, per sequence: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
@@ -26,6 +31,7 @@ from .sequence import Hypothesis, Sequence
 from .topk import row_topk
 
 NEG_INF = float("-inf")
+COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
 
 
 class Batch:
@@ -39,8 +45,8 @@ class Batch:
         self.positions = torch.empty(0, dtype=torch.long)
         self.scores = torch.empty(0, dtype=torch.float32)
         self.history: list[list[int]] = []
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.past_pad = torch.empty(0, 0, dtype=torch.bool)
+        self.slot = torch.empty(0, dtype=torch.long)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def rows(self) -> int:
@@ -55,14 +61,9 @@ class Batch:
     # ---- admission ------------------------------------------------------------------------
     def join(self, seqs: list[Sequence], enc: EncoderState) -> None:
         """Append newly encoded sequences (enc: one entry each), one BOS row per sequence."""
-        n, width = len(seqs), self.past_pad.shape[1]
-        empty = torch.zeros(n, self.n_heads, width, self.d_head, device=self.device)
-        if self.cache:
-            self.cache = [(torch.cat([k, empty]), torch.cat([v, empty])) for k, v in self.cache]
-        else:
-            self.cache = [(empty, empty)] * self.cfg.dec_layers
-        self.past_pad = torch.cat([self.past_pad, torch.ones(n, width, dtype=torch.bool)])
+        n = len(seqs)
         first = len(self.seqs)
+        self.slot = torch.cat([self.slot, self._free_slots(n, self.slot)])
         self.row_seq = torch.cat([self.row_seq, torch.arange(first, first + n)])
         self.tokens = torch.cat([self.tokens, torch.full((n,), self.cfg.bos_id, dtype=torch.long)])
         self.positions = torch.cat([self.positions, torch.zeros(n, dtype=torch.long)])
@@ -74,11 +75,23 @@ class Batch:
 
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:
-        return self.tokens, self.positions, self.row_seq, self.past_pad, self.enc, self.cache
+        """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, past_pad, enc,
+        cache); an empty slot has row_sentence -1 and no column of its own."""
+        n = int(self.slot.max()) + 1
+        tokens = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.tokens)
+        positions = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
+        row_sentence = torch.full((n,), -1, dtype=torch.long).index_copy_(0, self.slot, self.row_seq)
+        past_pad = torch.arange(self.width)[None] >= positions[:, None]
+        return tokens, positions, row_sentence, past_pad, self.enc, [(k[:n], v[:n]) for k, v in self.kv]
 
-    def advance(self, log_probs: torch.Tensor, cache: list) -> list[Sequence]:
-        """Apply one step's log-probabilities (R, V) and grown cache; returns the sequences that
-        finished (already removed from the batch; their on_done is the caller's to trigger)."""
+    @property
+    def width(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    def advance(self, log_probs: torch.Tensor, new_kv: list) -> list[Sequence]:
+        """Apply one step's log-probabilities and keys/values (per slot, as step_inputs ordered
+        them); returns the sequences that finished (already removed from the batch; their
+        on_done is the caller's to trigger)."""
         log_probs = self._constrain(log_probs.float())
         vocab = log_probs.shape[1]
         beam_max = max(s.options.beam for s in self.seqs)
@@ -86,6 +99,7 @@ class Batch:
         # sequence among its rows' candidates (the same set as one top-k over rows x vocab).
         # A row's score shifts all its tokens alike, so it is added after the first stage.
         row_scores, row_tokens = row_topk()(log_probs, min(2 * beam_max, vocab))
+        row_scores, row_tokens = row_scores.index_select(0, self.slot), row_tokens.index_select(0, self.slot)
         row_scores += self.scores[:, None]
         per_row = row_scores.shape[1]
         counts = torch.tensor(self.counts)
@@ -129,7 +143,7 @@ class Batch:
             else:
                 alive.append(i)
                 new_counts.append(filled)
-        self._reorder(keep_rows, new_tokens, new_scores, new_counts, alive, cache)
+        self._reorder(keep_rows, new_tokens, new_scores, new_counts, alive, new_kv)
         return done
 
     def remove(self, dropped: set[int]) -> None:
@@ -141,59 +155,137 @@ class Batch:
                 rows += range(r, r + c)
             r += c
         counts = [self.counts[i] for i in keep]
-        self._reorder(rows, self.tokens[rows].tolist(), self.scores[rows].tolist(), counts, keep, self.cache,
-                      grow=False)
+        self._reorder(rows, self.tokens[rows].tolist(), self.scores[rows].tolist(), counts, keep, None)
 
     # ---- internals -------------------------------------------------------------------------
     def _constrain(self, log_probs: torch.Tensor) -> torch.Tensor:
-        """min_length (no EOS before that many tokens) and no_repeat_ngram, per row."""
+        """min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs
+        are per slot)."""
         constrained = [i for i, s in enumerate(self.seqs) if s.step < s.options.min_length or s.options.no_repeat_ngram]
         if not constrained:  # the common case: nothing to do per row
             return log_probs
         starts = [0]
         for c in self.counts:
             starts.append(starts[-1] + c)
+        slot = self.slot.tolist()
         for i in constrained:
             seq, rows = self.seqs[i], range(starts[i], starts[i + 1])
             if seq.step < seq.options.min_length:
-                log_probs[list(rows), self.cfg.eos_id] = NEG_INF
+                log_probs[[slot[r] for r in rows], self.cfg.eos_id] = NEG_INF
             n = seq.options.no_repeat_ngram
             for r in rows if n else ():
                 banned = banned_tokens(self.history[r], n) if len(self.history[r]) >= n - 1 else []
                 if banned:
-                    log_probs[r, banned] = NEG_INF
+                    log_probs[slot[r], banned] = NEG_INF
         return log_probs
 
     def _reorder(self, rows: list[int], tokens: list[int], scores: list[float], counts: list[int],
-                 alive: list[int], cache: list, grow: bool = True) -> None:
-        """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`."""
+                 alive: list[int], new_kv: list | None) -> None:
+        """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`; with
+        new_kv (after a step) each is its parent's child, one token longer."""
         index = torch.tensor(rows, dtype=torch.long)
-        past_pad = self.past_pad
-        if grow:  # the step appended one (real) key per row
-            past_pad = torch.cat([past_pad, torch.zeros(len(past_pad), 1, dtype=torch.bool)], 1)
-        past_pad = past_pad.index_select(0, index)
-        cache = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache]
-        live = (~past_pad).any(0).nonzero()
-        first = int(live[0]) if len(live) else past_pad.shape[1]
-        if first:  # columns that are padding for every row
-            past_pad = past_pad[:, first:]
-            cache = [(k[:, :, first:], v[:, :, first:]) for k, v in cache]
-        old_positions = self.positions
-        self.positions = old_positions.index_select(0, index) + (1 if grow else 0)
-        self.history = [self.history[r] + [t] for r, t in zip(rows, tokens)] if grow else \
-            [self.history[r] for r in rows]
+        parents = self.slot.index_select(0, index)
+        positions = self.positions.index_select(0, index)
+        if new_kv is not None:
+            self.slot = self._place_children(parents, positions, new_kv)
+            positions = positions + 1
+            self.history = [self.history[r] + [t] for r, t in zip(rows, tokens)]
+        else:
+            self.slot = parents
+            self.history = [self.history[r] for r in rows]
+        self.positions = positions
         self.tokens = torch.tensor(tokens, dtype=torch.long)
         self.scores = torch.tensor(scores, dtype=torch.float32)
         self.row_seq = torch.repeat_interleave(torch.arange(len(alive)), torch.tensor(counts, dtype=torch.long))
         self.counts = counts
-        self.cache, self.past_pad = cache, past_pad
         if len(alive) < len(self.seqs):
             self.seqs = [self.seqs[i] for i in alive]
             self.enc = trim_source(self.enc.select(torch.tensor(alive, dtype=torch.long))) if alive else None
         if not alive:
-            self.enc = None
-            self.past_pad = torch.empty(0, 0, dtype=torch.bool)
-            self.cache = []
+            self.enc, self.kv = None, []
+            return
+        self._close_up()
+        self._fit_width()
+
+    def _place_children(self, parents: torch.Tensor, positions: torch.Tensor, new_kv: list) -> torch.Tensor:
+        """Slots for children of slots `parents` (their parents' positions `positions`): each
+        parent's step key/value is written in place at its position; its first child keeps the
+        slot, the others get a copy in a free slot."""
+        self._reserve(int(positions.max()) + 1 if len(positions) else 0, 0)
+        first = torch.ones(len(parents), dtype=torch.bool)
+        if len(parents):
+            order = torch.sort(parents, stable=True).indices
+            sorted_parents = parents[order]
+            first[order[1:]] = sorted_parents[1:] != sorted_parents[:-1]
+        keep, keep_at = parents[first], positions[first]
+        # key (slot s, head h, column c) is row (s * H + h) * width + c of the cache seen as (-1, d_h)
+        heads = torch.arange(self.n_heads)
+        at = ((keep[:, None] * self.n_heads + heads) * self.width + keep_at[:, None]).flatten()
+        for (k, v), (nk, nv) in zip(self.kv, new_kv):
+            k.view(-1, self.d_head).index_copy_(0, at, nk.index_select(0, keep).view(-1, self.d_head))
+            v.view(-1, self.d_head).index_copy_(0, at, nv.index_select(0, keep).view(-1, self.d_head))
+        forks = (~first).nonzero()[:, 0]
+        slot = parents.clone()
+        if len(forks):
+            free = self._free_slots(len(forks), keep)
+            self._copy_slots(parents.index_select(0, forks), free)
+            slot[forks] = free
+        return slot
+
+    def _copy_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        for k, v in self.kv:
+            k.index_copy_(0, targets, k.index_select(0, sources))
+            v.index_copy_(0, targets, v.index_select(0, sources))
+
+    def _free_slots(self, n: int, taken: torch.Tensor) -> torch.Tensor:
+        """The n lowest slots not in `taken`, growing the slots if there are too few."""
+        capacity = self.kv[0][0].shape[0] if self.kv else 0
+        used = torch.zeros(capacity + n, dtype=torch.bool)
+        used[taken] = True
+        free = (~used).nonzero()[:n, 0]
+        self._reserve(0, int(free.max()) + 1 if n else 0)
+        return free
+
+    def _reserve(self, columns: int, slots: int) -> None:
+        """At least `columns` columns and `slots` slots (new storage is zeros: a masked key must
+        still be a finite number)."""
+        old_slots, old_width = (self.kv[0][0].shape[0], self.width) if self.kv else (0, 0)
+        if slots <= old_slots and columns <= old_width:
+            return
+        new_slots = max(slots, 2 * old_slots, 8) if slots > old_slots else old_slots
+        width = -(-max(columns, old_width, 1) // COLUMNS) * COLUMNS
+        self._resize(new_slots, width)
+
+    def _fit_width(self) -> None:
+        """Give columns back once the longest row leaves many unused: attention reads them all."""
+        needed = -(-(int(self.positions.max()) + 1) // COLUMNS) * COLUMNS
+        if needed + COLUMNS <= self.width:  # not at the first column spare: rows grow back into it
+            self._resize(self.kv[0][0].shape[0], needed)
+
+    def _resize(self, slots: int, width: int) -> None:
+        shape = (slots, self.n_heads, width, self.d_head)
+        resized = []
+        for pair in self.kv or [(None, None)] * self.cfg.dec_layers:
+            fresh = []
+            for old in pair:
+                t = torch.zeros(shape, device=self.device)
+                if old is not None:
+                    s, w = min(slots, old.shape[0]), min(width, old.shape[2])
+                    t[:s, :, :w] = old[:s, :, :w]
+                fresh.append(t)
+            resized.append(tuple(fresh))
+        self.kv = resized
+
+    def _close_up(self) -> None:
+        """Move the rows in the highest slots down into empty ones once an eighth of the slots
+        the step computes are empty."""
+        rows, n = self.rows, int(self.slot.max()) + 1
+        if n - rows <= max(1, n // 8):
+            return
+        high = (self.slot >= rows).nonzero()[:, 0]
+        free = self._free_slots(len(high), self.slot)
+        self._copy_slots(self.slot.index_select(0, high), free)
+        self.slot[high] = free
 
 
 def banned_tokens(history: list[int], n: int) -> list[int]:

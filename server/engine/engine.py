@@ -185,9 +185,9 @@ class Engine:
     def _step(self) -> None:
         start = time.monotonic()
         rows = self.batch.rows
-        log_probs, cache = self.backend.step(*self.batch.step_inputs())
+        log_probs, new_kv = self.backend.step(*self.batch.step_inputs())
         stepped = time.monotonic()
-        finished = self.batch.advance(log_probs, cache)
+        finished = self.batch.advance(log_probs, new_kv)
         end = time.monotonic()
         self.steps += 1
         self.seconds["decoder"] += stepped - start
