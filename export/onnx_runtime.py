@@ -58,16 +58,19 @@ class OnnxGraph:
         bind(t.name, self.device.type, self.device.index or 0, NUMPY_TYPES[t.dtype], tuple(tensor.shape),
              tensor.data_ptr())
 
-    def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
+            out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Outputs by name, written into `out`'s tensors where given (contiguous, of the right shape)."""
         binding = self.session.io_binding()
         held = []  # the converted inputs must outlive the run
         for t in self.spec.inputs:
             tensor = inputs[t.name].to(self.device, TORCH_TYPES[t.dtype]).contiguous()
             held.append(tensor)
             self._bind(binding.bind_input, t, tensor)
-        outputs = {}
+        outputs = dict(out or {})
         for t in self.spec.outputs:
-            outputs[t.name] = torch.empty(output_shapes[t.name], dtype=TORCH_TYPES[t.dtype], device=self.device)
+            if t.name not in outputs:
+                outputs[t.name] = torch.empty(output_shapes[t.name], dtype=TORCH_TYPES[t.dtype], device=self.device)
             self._bind(binding.bind_output, t, outputs[t.name])
         self.session.run_with_iobinding(binding)
         return outputs
@@ -117,17 +120,20 @@ class OnnxModel:
         positions = torch.full((rows,), step, dtype=torch.long)
         past_pad = torch.zeros(rows, cache[0][0].shape[2], dtype=torch.bool)
         log_probs, new = self.step(tokens, positions, row_sentence, past_pad, enc, cache)
-        return log_probs, [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(cache, new)]
+        return log_probs, [(torch.cat([k, new[2 * i]], 2), torch.cat([v, new[2 * i + 1]], 2))
+                           for i, (k, v) in enumerate(cache)]
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
              past_pad: torch.Tensor, enc: EncoderState, cache: list) -> tuple[torch.Tensor, list]:
         """One decoder step for rows at their own positions (continuous batching): see
-        export/graphs.py. Returns log-probabilities (R, V) and this step's K/V per layer (R, H, 1, d_h)."""
+        export/graphs.py. Returns log-probabilities (R, V) and this step's keys and values in one
+        tensor (2 x layers, R, H, 1, d_h): layer i's keys at 2i, its values at 2i + 1."""
+        rows = tokens.shape[0]
         inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
-        shapes = {t.name: tuple({"rows": tokens.shape[0]}.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
-        outputs = self.decoder.run(inputs, shapes)
-        new = [outputs[t.name] for t in self.decoder.spec.outputs[1:]]
-        return outputs["log_probs"], [(new[2 * i], new[2 * i + 1]) for i in range(self.cfg.dec_layers)]
+        shapes = {t.name: tuple({"rows": rows}.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
+        new = torch.empty(2 * self.cfg.dec_layers, rows, self.n_heads, 1, self.d_head, device=self.device)
+        outputs = self.decoder.run(inputs, shapes, out=dict(zip([t.name for t in self.decoder.spec.outputs[1:]], new)))
+        return outputs["log_probs"], new
 
     @staticmethod
     def reorder(cache: list, rows: torch.Tensor) -> list:

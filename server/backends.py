@@ -3,7 +3,8 @@
     cfg                                   the ModelConfig
     encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
     step(tokens, positions, row_sentence, past_pad, enc, cache)
-                                          -> log-probabilities (R, V), this step's K/V per layer
+                                          -> log-probabilities (R, V), this step's keys and values
+                                             (2 x layers, R, H, 1, d_h): layer i's K at 2i, V at 2i+1
 
 ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
 modules, eager; on CUDA its encoder runs the Triton kernels through kernels.dispatch). Their step
@@ -39,8 +40,7 @@ class TorchBackend:
     def step(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache) -> tuple[torch.Tensor, list]:
         inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
         out = self.decoder(*(inputs[name] for name in self.decoder.input_names))
-        new = out[1:]
-        return out[0], [(new[2 * i], new[2 * i + 1]) for i in range(self.cfg.dec_layers)]
+        return out[0], torch.stack(out[1:])
 
 
 class OnnxBackend(OnnxModel):

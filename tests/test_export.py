@@ -118,7 +118,7 @@ def test_a_sentence_may_join_the_batch_later_with_a_left_padded_cache(tmp_path, 
             cache = [(torch.cat([k, torch.zeros_like(k)]), torch.cat([v, torch.zeros_like(v)])) for k, v in cache]
             past_pad = torch.cat([past_pad, torch.ones_like(past_pad)])
         log_probs, new = onnx_model.step(tokens[rows], positions, rows, past_pad, enc, cache)
-        cache = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(cache, new)]
+        cache = [(torch.cat([k, new[2 * i]], 2), torch.cat([v, new[2 * i + 1]], 2)) for i, (k, v) in enumerate(cache)]
         past_pad = torch.cat([past_pad, torch.zeros(len(rows), 1, dtype=torch.bool)], 1)
         for row, sentence in enumerate(rows.tolist()):
             ref, ref_cache[sentence] = model.decode_step(tokens[sentence: sentence + 1], int(positions[row]),

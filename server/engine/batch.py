@@ -6,8 +6,8 @@ Search state, in row order (rows of a sequence are contiguous; sequences in admi
   tokens    (R,) each row's last token;  positions (R,) its next target position = keys cached
   scores    (R,) cumulative log-probability;  history: each row's tokens so far
 The self-attention cache lives in slots that do not move when sequences join or leave:
-  kv        per decoder layer (K, V), each (slots, H, width, d_h); row r keeps its t-th key in
-            column t of slot `slot[r]`, so columns >= positions[r] are masked as not its own
+  kv        (2 x layers, slots, H, width, d_h): layer i's keys at 2i, its values at 2i + 1; row r
+            keeps its t-th key in column t of slot `slot[r]`; columns >= positions[r] are masked
 A joining sequence takes free slots (nothing is copied); a leaving one frees its slots. After a
 step the first surviving child of a beam keeps its parent's slot and gets the step's key written
 in place; only a second child of the same parent copies the parent's slot. The decoder step runs
@@ -46,7 +46,7 @@ class Batch:
         self.scores = torch.empty(0, dtype=torch.float32)
         self.history: list[list[int]] = []
         self.slot = torch.empty(0, dtype=torch.long)
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -82,15 +82,20 @@ class Batch:
         positions = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
         row_sentence = torch.full((n,), -1, dtype=torch.long).index_copy_(0, self.slot, self.row_seq)
         past_pad = torch.arange(self.width)[None] >= positions[:, None]
-        return tokens, positions, row_sentence, past_pad, self.enc, [(k[:n], v[:n]) for k, v in self.kv]
+        cache = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
+        return tokens, positions, row_sentence, past_pad, self.enc, cache
 
     @property
     def width(self) -> int:
-        return self.kv[0][0].shape[2] if self.kv else 0
+        return self.kv.shape[3] if self.kv is not None else 0
 
-    def advance(self, log_probs: torch.Tensor, new_kv: list) -> list[Sequence]:
-        """Apply one step's log-probabilities and keys/values (per slot, as step_inputs ordered
-        them); returns the sequences that finished (already removed from the batch; their
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[1] if self.kv is not None else 0
+
+    def advance(self, log_probs: torch.Tensor, new_kv: torch.Tensor) -> list[Sequence]:
+        """Apply one step's log-probabilities (slots, V) and keys/values (2 x layers, slots, H, 1,
+        d_h), per slot as step_inputs ordered them; returns the sequences that finished (already removed from the batch; their
         on_done is the caller's to trigger)."""
         log_probs = self._constrain(log_probs.float())
         vocab = log_probs.shape[1]
@@ -180,7 +185,7 @@ class Batch:
         return log_probs
 
     def _reorder(self, rows: list[int], tokens: list[int], scores: list[float], counts: list[int],
-                 alive: list[int], new_kv: list | None) -> None:
+                 alive: list[int], new_kv: torch.Tensor | None) -> None:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`; with
         new_kv (after a step) each is its parent's child, one token longer."""
         index = torch.tensor(rows, dtype=torch.long)
@@ -201,46 +206,46 @@ class Batch:
         if len(alive) < len(self.seqs):
             self.seqs = [self.seqs[i] for i in alive]
             self.enc = trim_source(self.enc.select(torch.tensor(alive, dtype=torch.long))) if alive else None
-        if not alive:
-            self.enc, self.kv = None, []
+        if not alive:  # the storage stays for the next sequences
+            self.enc = None
             return
         self._close_up()
         self._fit_width()
 
-    def _place_children(self, parents: torch.Tensor, positions: torch.Tensor, new_kv: list) -> torch.Tensor:
-        """Slots for children of slots `parents` (their parents' positions `positions`): each
-        parent's step key/value is written in place at its position; its first child keeps the
-        slot, the others get a copy in a free slot."""
-        self._reserve(int(positions.max()) + 1 if len(positions) else 0, 0)
+    def _place_children(self, parents: torch.Tensor, positions: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
+        """Slots for children of slots `parents` (their parents' positions `positions`): every
+        slot's step key/value is written in place at its position (an empty or dropped slot's
+        lands in a column nobody reads); a parent's first child keeps the slot, the others get
+        a copy in a free slot."""
+        planes, n = new_kv.shape[0], new_kv.shape[1]
+        at = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
+        self._reserve(int(at.max()) + 1, 0)
+        # (plane p, slot s, head h, column c) is row ((p * slots + s) * H + h) * width + c of kv as (-1, d_h)
+        rows = (torch.arange(planes)[:, None, None] * self.capacity + torch.arange(n)[:, None]) * self.n_heads
+        rows = (rows + torch.arange(self.n_heads)) * self.width + at[:, None]
+        self.kv.view(-1, self.d_head).index_copy_(0, rows.flatten(), new_kv.reshape(-1, self.d_head))
         first = torch.ones(len(parents), dtype=torch.bool)
         if len(parents):
             order = torch.sort(parents, stable=True).indices
             sorted_parents = parents[order]
             first[order[1:]] = sorted_parents[1:] != sorted_parents[:-1]
-        keep, keep_at = parents[first], positions[first]
-        # key (slot s, head h, column c) is row (s * H + h) * width + c of the cache seen as (-1, d_h)
-        heads = torch.arange(self.n_heads)
-        at = ((keep[:, None] * self.n_heads + heads) * self.width + keep_at[:, None]).flatten()
-        for (k, v), (nk, nv) in zip(self.kv, new_kv):
-            k.view(-1, self.d_head).index_copy_(0, at, nk.index_select(0, keep).view(-1, self.d_head))
-            v.view(-1, self.d_head).index_copy_(0, at, nv.index_select(0, keep).view(-1, self.d_head))
         forks = (~first).nonzero()[:, 0]
         slot = parents.clone()
         if len(forks):
-            free = self._free_slots(len(forks), keep)
-            self._copy_slots(parents.index_select(0, forks), free)
+            free = self._free_slots(len(forks), parents[first])
+            self._copy_slots(parents.index_select(0, forks), free, int(positions.index_select(0, forks).max()) + 1)
             slot[forks] = free
         return slot
 
-    def _copy_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        for k, v in self.kv:
-            k.index_copy_(0, targets, k.index_select(0, sources))
-            v.index_copy_(0, targets, v.index_select(0, sources))
+    def _copy_slots(self, sources: torch.Tensor, targets: torch.Tensor, columns: int) -> None:
+        """Slot targets[i] <- slot sources[i], the first `columns` columns (the rest are not theirs)."""
+        for plane in self.kv:  # plane by plane: a copy along the first axis is the fast one
+            plane = plane.narrow(2, 0, columns)
+            plane.index_copy_(0, targets, plane.index_select(0, sources))
 
     def _free_slots(self, n: int, taken: torch.Tensor) -> torch.Tensor:
         """The n lowest slots not in `taken`, growing the slots if there are too few."""
-        capacity = self.kv[0][0].shape[0] if self.kv else 0
-        used = torch.zeros(capacity + n, dtype=torch.bool)
+        used = torch.zeros(self.capacity + n, dtype=torch.bool)
         used[taken] = True
         free = (~used).nonzero()[:n, 0]
         self._reserve(0, int(free.max()) + 1 if n else 0)
@@ -249,7 +254,7 @@ class Batch:
     def _reserve(self, columns: int, slots: int) -> None:
         """At least `columns` columns and `slots` slots (new storage is zeros: a masked key must
         still be a finite number)."""
-        old_slots, old_width = (self.kv[0][0].shape[0], self.width) if self.kv else (0, 0)
+        old_slots, old_width = self.capacity, self.width
         if slots <= old_slots and columns <= old_width:
             return
         new_slots = max(slots, 2 * old_slots, 8) if slots > old_slots else old_slots
@@ -260,21 +265,15 @@ class Batch:
         """Give columns back once the longest row leaves many unused: attention reads them all."""
         needed = -(-(int(self.positions.max()) + 1) // COLUMNS) * COLUMNS
         if needed + COLUMNS <= self.width:  # not at the first column spare: rows grow back into it
-            self._resize(self.kv[0][0].shape[0], needed)
+            self._resize(self.capacity, needed)
 
     def _resize(self, slots: int, width: int) -> None:
-        shape = (slots, self.n_heads, width, self.d_head)
-        resized = []
-        for pair in self.kv or [(None, None)] * self.cfg.dec_layers:
-            fresh = []
-            for old in pair:
-                t = torch.zeros(shape, device=self.device)
-                if old is not None:
-                    s, w = min(slots, old.shape[0]), min(width, old.shape[2])
-                    t[:s, :, :w] = old[:s, :, :w]
-                fresh.append(t)
-            resized.append(tuple(fresh))
-        self.kv = resized
+        """New storage, with the slots in use (up to the highest in `slot`) copied over."""
+        kv = torch.zeros(2 * self.cfg.dec_layers, slots, self.n_heads, width, self.d_head, device=self.device)
+        if self.kv is not None and len(self.slot):
+            used, w = int(self.slot.max()) + 1, min(width, self.width)
+            kv[:, :used, :, :w] = self.kv[:, :used, :, :w]
+        self.kv = kv
 
     def _close_up(self) -> None:
         """Move the rows in the highest slots down into empty ones once an eighth of the slots
@@ -284,7 +283,7 @@ class Batch:
             return
         high = (self.slot >= rows).nonzero()[:, 0]
         free = self._free_slots(len(high), self.slot)
-        self._copy_slots(self.slot.index_select(0, high), free)
+        self._copy_slots(self.slot.index_select(0, high), free, int(self.positions.index_select(0, high).max()))
         self.slot[high] = free
 
 
