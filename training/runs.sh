@@ -56,6 +56,8 @@ study() {
   local scratch="--batch-tokens 3000 --dropout 0.1 --eval-every 500"
   run deen-mvpe $((DEEN_BASE + EXTRA)) $scratch --mvpe
   run deen-mvpe-pos $((DEEN_BASE + EXTRA)) $scratch --mvpe --pos-tags
+  # GRET as its paper trains it: every module from the first step, not bolted onto a converged baseline
+  run deen-gret-scratch $((DEEN_BASE + EXTRA)) $scratch --gret full
 }
 
 graph() {  # the study's last variant, in the ship lane (free once the summarisation runs are done)
