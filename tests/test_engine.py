@@ -72,6 +72,30 @@ def test_texts_joining_at_different_steps_get_their_offline_beam_search_results(
         assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
 
 
+def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
+    """Slot storage: a join takes free slots, a departure frees its own; the rows that keep
+    running (each beam's first child) keep their slots and their cached keys."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model)
+    long = make_seq(model, sources(model, [9])[0], DecodingOptions(beam=1, max_len_b=40))
+    engine.submit([long])
+    for _ in range(3):
+        engine.iterate()
+    batch = engine.batch
+    slot = int(batch.slot[0])
+    cached = batch.kv[:, slot, :, :3].clone()
+    short = [make_seq(model, s, DecodingOptions(beam=2, max_len_a=0, max_len_b=2)) for s in sources(model, [4, 6], seed=2)]
+    engine.submit(short)
+    engine.iterate()  # the short texts join (and take one step)
+    assert len(batch) == 3 and int(batch.slot[0]) == slot
+    while any(s.status is None for s in short):
+        engine.iterate()
+    assert len(batch) == 1 and int(batch.slot[0]) == slot  # they left; the long text stayed put
+    torch.testing.assert_close(batch.kv[:, slot, :, :3], cached)
+    engine.run_until_idle()
+    assert [h.tokens for h in long.hypotheses] == [h.tokens for h in offline(model, long.src, long.options)]
+
+
 def test_batching_policies_give_identical_outputs():
     model = tiny_model()
     srcs = sources(model, [7, 3, 9, 5], seed=1)

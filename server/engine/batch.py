@@ -12,7 +12,9 @@ A joining sequence takes free slots (nothing is copied); a leaving one frees its
 step the first surviving child of a beam keeps its parent's slot and gets the step's key written
 in place; only a second child of the same parent copies the parent's slot. The decoder step runs
 over slots 0..n-1 (the highest in use); empty slots among them are computed and ignored, and
-are refilled first, or closed up by moving the top rows down once they are many.
+are refilled first, or closed up by moving the top rows down once they are many. The storage
+grows (slots, and columns in steps of COLUMNS) as needed, gives columns back when the longest
+row leaves, and is kept when the batch empties.
 
 The search rules are training.search.beam_search's, per sequence: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
@@ -95,8 +97,8 @@ class Batch:
 
     def advance(self, log_probs: torch.Tensor, new_kv: torch.Tensor) -> list[Sequence]:
         """Apply one step's log-probabilities (slots, V) and keys/values (2 x layers, slots, H, 1,
-        d_h), per slot as step_inputs ordered them; returns the sequences that finished (already removed from the batch; their
-        on_done is the caller's to trigger)."""
+        d_h), per slot as step_inputs ordered them; returns the sequences that finished (already
+        removed from the batch; their on_done is the caller's to trigger)."""
         log_probs = self._constrain(log_probs.float())
         vocab = log_probs.shape[1]
         beam_max = max(s.options.beam for s in self.seqs)
