@@ -14,8 +14,9 @@ the batch at different steps and use different beam sizes.
   Copying K/V per row instead would write N_dec * 2 * R * S * D floats per step (23.6 MB for the
   small preset with R = 128 rows and S = 30); the query gather moves R * D.
 - `positions` (R,): each row's own target position.
-- `past_pad` (R, past_len): True where a row's self-attention cache is padding. A row that joined
-  late has a shorter history; its cache is left-padded to the batch's past length.
+- `past_pad` (R, past_len): True where a column of a row's self-attention cache is not its own.
+  Rows of different ages share one past length; the columns may sit anywhere (the server keeps
+  each row's t-th key in column t). Only the step's new key/value is returned, never the grown cache.
 """
 from __future__ import annotations
 

@@ -260,12 +260,11 @@ class Batch:
         if slots <= old_slots and columns <= old_width:
             return
         new_slots = max(slots, 2 * old_slots, 8) if slots > old_slots else old_slots
-        width = -(-max(columns, old_width, 1) // COLUMNS) * COLUMNS
-        self._resize(new_slots, width)
+        self._resize(new_slots, whole_steps(max(columns, old_width, 1)))
 
     def _fit_width(self) -> None:
         """Give columns back once the longest row leaves many unused: attention reads them all."""
-        needed = -(-(int(self.positions.max()) + 1) // COLUMNS) * COLUMNS
+        needed = whole_steps(int(self.positions.max()) + 1)
         if needed + COLUMNS <= self.width:  # not at the first column spare: rows grow back into it
             self._resize(self.capacity, needed)
 
@@ -287,6 +286,11 @@ class Batch:
         free = self._free_slots(len(high), self.slot)
         self._copy_slots(self.slot.index_select(0, high), free, int(self.positions.index_select(0, high).max()))
         self.slot[high] = free
+
+
+def whole_steps(columns: int) -> int:
+    """`columns` rounded up to a multiple of COLUMNS."""
+    return -(-columns // COLUMNS) * COLUMNS
 
 
 def banned_tokens(history: list[int], n: int) -> list[int]:
