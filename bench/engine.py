@@ -249,8 +249,11 @@ def targets(figures: dict) -> dict:
             "target": TARGETS["best_engine_vs_ct2_int8"], "engine": ours, "ct2": ct2,
             "measured": round(figures[ours]["target_tokens_per_s"] / figures[ct2]["target_tokens_per_s"], 3),
             "note": f"{ours} vs {ct2}: total target tokens/s over the run"}
-    out["best_engine_vs_pytorch"] = {"target": TARGETS["best_engine_vs_pytorch"],
-                                     "measured": figures[best]["speed_vs_" + REFERENCE]["median"]}
+    fastest = max((n for n in figures if n != REFERENCE), key=lambda n: figures[n]["speed_vs_" + REFERENCE]["median"])
+    out["best_engine_vs_pytorch"] = {
+        "target": TARGETS["best_engine_vs_pytorch"], "measured": figures[best]["speed_vs_" + REFERENCE]["median"],
+        "note": f"the fastest system of this run, {fastest}, is {figures[fastest]['speed_vs_' + REFERENCE]['median']}x "
+                f"PyTorch"}
     for gret in (n for n in figures if n.startswith("gret-")):
         vanilla = gret[len("gret-"):]
         if vanilla in figures:

@@ -24,6 +24,7 @@ def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(
     assert {"grpcio", "onnxruntime", "torch"} <= set(result["versions"])
     assert result["machine"]["cpus"] >= 1 and len(result["machine"]["load_average_end"]) == 3
     assert result["offline"]["texts_per_s"] > 0 and result["bench_engine"] is None
+    assert all(0 < r["encoder_share"] < 1 for r in result["offline"]["rounds"])  # what bounds an encoder-cache hit
     assert set(result["policies"]) == {"continuous", "request", "none"}
     for policy in result["policies"].values():
         saturation = policy["saturation"]

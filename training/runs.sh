@@ -3,7 +3,8 @@
 # side by side on a 2-core machine (one thread each):
 #
 #   bash training/runs.sh study   # Multi30K de->en ablation study
-#   bash training/runs.sh ship    # summarisation baselines + study, en->de, Graph-Transformer
+#   bash training/runs.sh ship    # summarisation, en->de, then the study's Graph and GRET-from-scratch runs
+#   bash training/runs.sh giga-vocab  # Gigaword with a 4000-piece vocabulary, from scratch
 #
 # Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
@@ -32,7 +33,10 @@ run() {  # run NAME STEPS ARGS...: train runs/NAME to STEPS steps unless it is a
   fi
   echo "$name: training to $steps steps ($(date -u +%H:%M))"
   mkdir -p runs
-  $PY -m training.train --out "runs/$name" --max-steps "$steps" --threads "$THREADS" "$@" >>"runs/$name.out" 2>&1
+  # one process per run, whichever lane starts it
+  flock --nonblock --conflict-exit-code 75 "runs/$name.lock" \
+    $PY -m training.train --out "runs/$name" --max-steps "$steps" --threads "$THREADS" "$@" >>"runs/$name.out" 2>&1 ||
+    { local status=$?; [ $status -ne 75 ] || echo "$name: another lane is training it; this lane stops" >&2; return $status; }
 }
 
 continued() {  # continued NAME BASE ARGS...: EXTRA steps warm-started from checkpoint BASE
@@ -56,13 +60,18 @@ study() {
   local scratch="--batch-tokens 3000 --dropout 0.1 --eval-every 500"
   run deen-mvpe $((DEEN_BASE + EXTRA)) $scratch --mvpe
   run deen-mvpe-pos $((DEEN_BASE + EXTRA)) $scratch --mvpe --pos-tags
-  # GRET as its paper trains it: every module from the first step, not bolted onto a converged baseline
-  run deen-gret-scratch $((DEEN_BASE + EXTRA)) $scratch --gret full
 }
 
-graph() {  # the study's last variant, in the ship lane (free once the summarisation runs are done)
-  run deen-graph $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
-    --encoder graph --graph-half-dim --graph-fusion weight_gate
+giga_vocab() {  # Gigaword with half the vocabulary: 10k pairs leave many of 8000 pieces rarely seen
+  run giga-v4k 2500 --dataset gigaword --dropout 0.3 --vocab-size 4000 --batch-tokens 3000 --eval-every 250 \
+    --average-last 3
+}
+
+study_tail() {  # the study's last variants, in the ship lane (free once the summarisation runs are done)
+  local scratch="--batch-tokens 3000 --dropout 0.1 --eval-every 500"
+  run deen-graph $((DEEN_BASE + EXTRA)) $scratch --encoder graph --graph-half-dim --graph-fusion weight_gate
+  # GRET as its paper trains it: every module from the first step, not bolted onto a converged baseline
+  run deen-gret-scratch $((DEEN_BASE + EXTRA)) $scratch --gret full
 }
 
 ship() {
@@ -81,11 +90,12 @@ ship() {
   # giga-long's validation peaked mid-run (step 800): polish its best checkpoint at a lower rate
   run giga-polish 800 --init-from runs/giga-long --lr 2e-4 --warmup 100 --batch-tokens 3000 --eval-every 100 \
     --average-last 3 --seed 2 $giga
-  graph
+  study_tail
 }
 
 case "${1:-}" in
   study) study ;;
   ship) ship ;;
-  *) echo "usage: $0 study|ship" >&2; exit 2 ;;
+  giga-vocab) giga_vocab ;;
+  *) echo "usage: $0 study|ship|giga-vocab" >&2; exit 2 ;;
 esac
