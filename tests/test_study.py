@@ -2,7 +2,7 @@
 from it, and the study's target (+1.0 over the control with p < 0.05) is checked from it."""
 from __future__ import annotations
 
-from training.study import render, target_line
+from training.study import gret_account, render, target_line
 
 
 def system(name: str, delta: float | None = None, p: float | None = None, **arch) -> dict:
@@ -40,3 +40,15 @@ def test_each_system_is_one_row_in_json_order_with_its_delta_p_value_and_parent_
     assert "| 1850+800 |" in rows[1] and "| +0.35 (0.202) |" in rows[1] and "| ✓ | ✓ | ✓ |" in rows[1]
     assert "| — |" in rows[0]  # the control has no Δ against itself
     assert rows[1].endswith("| 0.95 |") and "median over 3 rounds" in "\n".join(lines)  # speed: turns, not one pass
+
+
+def test_the_gret_account_lists_only_gret_systems_of_every_study_and_judges_them_together():
+    warm = system("gret-warm", 0.46, 0.129, capsule=True, aggregate=True)
+    scratch = system("gret-scratch", 1.2, 0.03, capsule=True, aggregate=True, gate=True) | {"init_from": None}
+    lines = gret_account([payload(warm, system("mvpe", 0.9, 0.07, pe_k=280)), payload(scratch)])
+    rows = [line for line in lines if line.startswith("| multi30k")]
+    assert [r.split("|")[2].strip() for r in rows] == ["`gret-warm`", "`gret-scratch`"]  # no control, no mvPE
+    assert "continued from the 1850-step baseline" in rows[0] and "from scratch" in rows[1]
+    assert "test_2016_flickr +0.46 (p 0.129)" in rows[0] and "capsule + aggregate + gate" in rows[1]
+    assert "Met: the largest Δ is +1.20 (`gret-scratch`" in "\n".join(lines)
+    assert gret_account([payload(system("mvpe", 0.9, 0.07, pe_k=280))]) == []  # no GRET system, no section
