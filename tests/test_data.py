@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.data import (BOS, EOS, PAD, Example, TokenBatcher, align_tags, encode_source, encode_target,
+from training.data import (BOS, EOS, PAD, RARE_WORD, Example, TokenBatcher, align_tags, encode_source, encode_target,
                            length_filter, load_examples, load_sentencepiece, source_batches, train_sentencepiece)
 
 
@@ -45,6 +45,15 @@ def test_joint_sentencepiece_covers_both_languages_and_round_trips(sp):
     tgt = encode_target(sp, "A dog.", 64)
     assert tgt[0] == BOS and tgt[-1] == EOS
     assert len(encode_source(sp, "Hund " * 100, 10)) == 10  # truncated, still ends with EOS
+
+
+def test_gigawords_rare_word_marker_is_one_piece_that_decodes_to_itself():
+    train = load_examples("gigaword", "train")[:2000]
+    assert any(RARE_WORD in e.target for e in train)
+    giga = load_sentencepiece(train_sentencepiece([e.source for e in train] + [e.target for e in train], 1000))
+    headline = f"laura bush {RARE_WORD} rice to attend ## {RARE_WORD}"
+    assert giga.decode(giga.encode(headline)) == headline
+    assert giga.piece_to_id(RARE_WORD) in giga.encode(headline) and giga.unk_id() not in giga.encode(headline)
 
 
 def test_token_batches_respect_the_budget_and_cover_each_example_once_per_epoch(sp):

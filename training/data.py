@@ -61,15 +61,22 @@ def load_examples(dataset: str, split: str, src_lang: str = "de", tgt_lang: str 
             for r in rows]
 
 
+RARE_WORD = "<unk>"  # Gigaword's stand-in for a rare word, a token of its text
+
+
 def train_sentencepiece(texts: list[str], vocab_size: int) -> bytes:
-    """A unigram model trained on the given (training-split) texts; returns its bytes."""
+    """A unigram model trained on the given (training-split) texts; returns its bytes. Where the
+    texts use RARE_WORD, it is one piece that decodes to itself (else '<' and '>' are unknown
+    characters and an output reads ' ⁇ unk ⁇ '); the unknown piece is then named <unknown>."""
+    marked = any(RARE_WORD in t for t in texts)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(t for t in texts if t.strip()), model_writer=model,
         vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
         pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, input_sentence_size=2_000_000,
         shuffle_input_sentence=False, seed_sentencepiece_size=1_000_000,
-        num_threads=2, minloglevel=2)
+        num_threads=2, minloglevel=2,
+        **({"unk_piece": "<unknown>", "user_defined_symbols": [RARE_WORD]} if marked else {}))
     return model.getvalue()
 
 
