@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from training.config import Checkpoint, ModelConfig
+from training.data import input_style
 
 from .spec import OPSET, GraphSpec
 
@@ -97,7 +98,7 @@ def build_manifest(*, name: str, version: str, ckpt: Checkpoint, checkpoint_dir:
         "architecture": architecture_summary(ckpt.model, n_parameters),
         "model_config": ckpt.model.to_dict(),
         "tokenizer": {"type": "sentencepiece", "file": "spm.model", "max_src_len": ckpt.data.max_src_len,
-                      "max_tgt_len": ckpt.data.max_tgt_len},
+                      "max_tgt_len": ckpt.data.max_tgt_len, "normalize": input_style(ckpt.data.dataset)},
         backend: backend_section,
         "files": list_files(directory),
         "metrics": recorded_metrics(ckpt, checkpoint_dir),

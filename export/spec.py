@@ -116,7 +116,7 @@ def export_digest(cfg: ModelConfig) -> str:
     repositories are cached under it, so new code never serves an old export."""
     shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
     digest = hashlib.sha256(json.dumps(shapes).encode())
-    for module in ("graphs.py", "onnx_export.py", "quantize.py"):
+    for module in ("graphs.py", "onnx_export.py", "quantize.py", "manifest.py"):
         digest.update((Path(__file__).parent / module).read_bytes())
     return digest.hexdigest()[:8]
 

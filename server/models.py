@@ -26,7 +26,7 @@ from export.repository import write_repository
 from export.spec import export_digest
 from training.checkpoint import SPM, WEIGHTS, load_checkpoint
 from training.config import Checkpoint, ModelConfig
-from training.data import load_sentencepiece
+from training.data import INPUT_STYLES, input_style, load_sentencepiece
 
 log = logging.getLogger("server.models")
 
@@ -52,6 +52,7 @@ class ModelEntry:
     repository: Path | None  # None for the torch backend on a checkpoint
     checkpoint: Path | None
     metrics: dict = field(default_factory=dict)
+    input_style: str | None = None  # training.data.normalize_input's style for plain text, if any
 
 
 def cache_root() -> Path:
@@ -122,7 +123,7 @@ def _from_checkpoint(folder: Path) -> ModelEntry:
     arch = architecture_summary(ckpt.model, model.num_parameters())
     return ModelEntry(folder.name, sha256(folder / WEIGHTS)[:12], ckpt.data.task, ckpt.data.src_lang,
                       ckpt.data.tgt_lang, arch["summary"], arch["parameters"], ckpt.model, sp,
-                      ckpt.data.max_src_len, None, folder, _recorded(folder))
+                      ckpt.data.max_src_len, None, folder, _recorded(folder), input_style(ckpt.data.dataset))
 
 
 def from_repository(folder: Path, backend: str, checkpoint: Path | None = None) -> ModelEntry:
@@ -137,9 +138,12 @@ def from_repository(folder: Path, backend: str, checkpoint: Path | None = None) 
         if manifest["task"] not in TASKS:
             raise ModelError(f"{path}: task {manifest['task']!r} is not one of {', '.join(TASKS)}")
         arch = manifest["architecture"]
+        style = manifest["tokenizer"].get("normalize")
+        if style is not None and style not in INPUT_STYLES:
+            raise ModelError(f"{path}: tokenizer.normalize {style!r} is not one of {', '.join(INPUT_STYLES)}")
         return ModelEntry(manifest["name"], manifest["version"], manifest["task"], manifest["source_language"],
                           manifest["target_language"], arch["summary"], arch["parameters"], cfg, sp,
-                          manifest["tokenizer"]["max_src_len"], folder, checkpoint, manifest.get("metrics", {}))
+                          manifest["tokenizer"]["max_src_len"], folder, checkpoint, manifest.get("metrics", {}), style)
     except json.JSONDecodeError as e:
         raise ModelError(f"{path} is not valid JSON: {e}") from e
     except KeyError as e:

@@ -18,7 +18,7 @@ from export.manifest import read_manifest
 from kernels.encoder_cache import EncoderCache
 from training.checkpoint import load_checkpoint
 from training.config import Checkpoint
-from training.data import EOS
+from training.data import EOS, normalize_input
 
 from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine
@@ -79,6 +79,7 @@ class Pipeline:
                 raise InputError(f"text {i} is empty or only whitespace")
             if len(text) > limits.max_text_chars:
                 raise InputError(f"text {i} has {len(text)} characters; the limit is {limits.max_text_chars}")
+            text = normalize_input(e.input_style, text)  # plain text into the style the model was trained on
             pieces = e.sp.encode(text)
             if len(pieces) > max_pieces and not truncate:
                 raise InputError(f"text {i} is {len(pieces)} pieces long; model {e.name} accepts at most {max_pieces}")

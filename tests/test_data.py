@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from training.data import (BOS, EOS, PAD, RARE_WORD, Example, TokenBatcher, align_tags, encode_source, encode_target,
-                           length_filter, load_examples, load_sentencepiece, source_batches, train_sentencepiece)
+                           input_style, length_filter, load_examples, load_sentencepiece, normalize_gigaword,
+                           normalize_input, source_batches, train_sentencepiece)
 
 
 def test_multi30k_splits_have_their_documented_sizes_in_every_direction():
@@ -54,6 +55,18 @@ def test_gigawords_rare_word_marker_is_one_piece_that_decodes_to_itself():
     headline = f"laura bush {RARE_WORD} rice to attend ## {RARE_WORD}"
     assert giga.decode(giga.encode(headline)) == headline
     assert giga.piece_to_id(RARE_WORD) in giga.encode(headline) and giga.unk_id() not in giga.encode(headline)
+
+
+def test_plain_english_is_brought_into_gigawords_style_and_the_corpus_is_left_as_it_is():
+    assert normalize_gigaword('Japan\'s exports rose 5.2% in October (a record), officials said "on Monday".') == \
+        "japan 's exports rose #.#% in october -lrb- a record -rrb- , officials said `` on monday '' ."
+    assert normalize_gigaword("S&P can't sell 1,500 shares at 1/2 price!") == \
+        "s &amp; p ca n't sell #,### shares at #\\/# price !"
+    for e in load_examples("gigaword", "valid"):
+        assert normalize_gigaword(e.source) == " ".join(e.source.split())
+        assert normalize_gigaword(e.target) == " ".join(e.target.split())
+    assert normalize_input(input_style("gigaword"), "Ein Hund.") == "ein hund ."
+    assert normalize_input(input_style("multi30k"), "Ein Hund.") == "Ein Hund."  # other models read text as it is
 
 
 def test_token_batches_respect_the_budget_and_cover_each_example_once_per_epoch(sp):

@@ -90,6 +90,14 @@ def test_summarize_uses_the_summariser_and_truncates_long_articles(client):
     assert response.results[0].source_tokens == 64  # --max-src-len 64: truncated, as in training
 
 
+def test_plain_text_is_summarised_as_its_gigaword_style_form_would_be(client):
+    plain = 'Japan\'s exports rose 5.2% in October (a record), officials said "on Monday".'
+    corpus_style = "japan 's exports rose #.#% in october -lrb- a record -rrb- , officials said `` on monday '' ."
+    first, second = client.summarize([plain, corpus_style], beam_size=2).results
+    assert first.source_tokens == second.source_tokens
+    assert [h.text for h in first.hypotheses] == [h.text for h in second.hypotheses]
+
+
 def test_a_repeated_text_hits_the_encoder_cache(client):
     text = german(1, offset=30)
     first = client.translate(text, target="en").results[0]

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,37 @@ def load_examples(dataset: str, split: str, src_lang: str = "de", tgt_lang: str 
 
 
 RARE_WORD = "<unk>"  # Gigaword's stand-in for a rare word, a token of its text
+
+
+def normalize_gigaword(text: str) -> str:
+    """Plain English in the style of the Gigaword corpus (Rush et al.'s preparation), which is all a
+    Gigaword model has seen: lower case, every digit '#', Penn Treebank tokens (-lrb- -rrb-, `` '',
+    &amp;, \\/, 's and n't split off, punctuation apart except inside numbers such as #,###).
+    The corpus's own lines come back unchanged."""
+    t = text.lower().replace("’", "'").replace("‘", "'").replace("“", '"').replace("”", '"')
+    t = re.sub(r"\d", "#", t)
+    t = re.sub(r"&(?!amp;)", " &amp; ", t)
+    t = re.sub(r"(?<!\\)/", r"\\/", t)
+    t = t.replace("(", " -lrb- ").replace(")", " -rrb- ")
+    quoted = t.split('"')  # straight double quotes open, then close
+    t = "".join(part + ("" if i == len(quoted) - 1 else " `` " if i % 2 == 0 else " '' ") for i, part in enumerate(quoted))
+    t = re.sub(r"(\w)(n't)\b", r"\1 \2", t)
+    t = re.sub(r"(\w)('s|'re|'ve|'ll|'d|'m)\b", r"\1 \2", t)
+    t = re.sub(r"(?<!#)(?<!&amp)([,;:!?])|(?<!&amp)([,;:!?])(?!#)", r" \1\2 ", t)
+    t = re.sub(r"(?<!\.)\.\s*$", " .", t)  # the closing full stop, not an abbreviation's
+    return " ".join(t.split())
+
+
+INPUT_STYLES = {"gigaword": normalize_gigaword}  # dataset -> what turns plain text into its style
+
+
+def input_style(dataset: str) -> str | None:
+    """The name of the normalisation a model trained on `dataset` needs on plain input, if any."""
+    return dataset if dataset in INPUT_STYLES else None
+
+
+def normalize_input(style: str | None, text: str) -> str:
+    return INPUT_STYLES[style](text) if style else text
 
 
 def train_sentencepiece(texts: list[str], vocab_size: int) -> bytes:

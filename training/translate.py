@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_checkpoint
+from .data import input_style, normalize_input
 from .decode import corpus_translate
 
 
@@ -27,7 +28,7 @@ def main(argv=None):
         p.error("--beam must be >= 1")
     torch.set_num_threads(args.threads)
     model, ckpt, sp = load_checkpoint(args.checkpoint)
-    texts = [line.rstrip("\n") for line in sys.stdin]
+    texts = [normalize_input(input_style(ckpt.data.dataset), line.rstrip("\n")) for line in sys.stdin]
     outputs = corpus_translate(model, sp, texts, beam=args.beam, length_penalty=args.length_penalty,
                                max_src_len=ckpt.data.max_src_len, batch_tokens=args.batch_tokens,
                                src_lang=ckpt.data.src_lang, max_len_a=args.max_len_a, max_len_b=args.max_len_b)
