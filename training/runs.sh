@@ -70,8 +70,9 @@ giga_vocab() {  # Gigaword with half the vocabulary: 10k pairs leave many of 800
 study_tail() {  # the study's last variants, in the ship lane (free once the summarisation runs are done)
   local scratch="--batch-tokens 3000 --dropout 0.1 --eval-every 500"
   run deen-graph $((DEEN_BASE + EXTRA)) $scratch --encoder graph --graph-half-dim --graph-fusion weight_gate
-  # GRET as its paper trains it: every module from the first step, not bolted onto a converged baseline
-  run deen-gret-scratch $((DEEN_BASE + EXTRA)) $scratch --gret full
+  # GRET as its paper trains it: every module from the first step, not bolted onto a converged baseline,
+  # and the context gate at the usual zero bias (the -3 default keeps a warm-started model near its baseline)
+  run deen-gret-scratch $((DEEN_BASE + EXTRA)) $scratch --gret full --gate-bias-init 0
 }
 
 ship() {

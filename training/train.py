@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--capsules", type=int)
     p.add_argument("--routing-iters", type=int)
     p.add_argument("--capsule-dim", type=int)
+    p.add_argument("--gate-bias-init", type=float, help="the context gate's initial bias (default -3: a warm-started "
+                                                         "model starts near its baseline; 0 is the usual init)")
     p.add_argument("--multiview", choices=("gca", "gpa", "fga", "fma", "ama"))
     p.add_argument("--multiview-replace", action="store_true", help="direct replacement, not soft")
     p.add_argument("--mvpe", action="store_true", help="mvPE with k from the 99%%-of-plateau rule")
@@ -94,7 +96,7 @@ def model_config(args, vocab_size: int, base: ModelConfig | None) -> ModelConfig
     if base is None:
         changes.update(pre_norm=not args.post_norm, encoder=args.encoder,
                        graph_half_dim=args.graph_half_dim, graph_shared_qkv=args.graph_shared_qkv)
-    for name in ("pooling", "capsules", "routing_iters", "capsule_dim", "dropout", "graph_fusion"):
+    for name in ("pooling", "capsules", "routing_iters", "capsule_dim", "gate_bias_init", "dropout", "graph_fusion"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.multiview:
