@@ -275,7 +275,8 @@ class OfflineEngine:
 
         torch.set_num_threads(args.threads)
         entry = load_entry(args.models_dir / args.model, "onnx", args.build_cache)
-        self.pipeline = build_pipeline(entry, "onnx", "fp32", args.threads, "continuous")
+        # both caches off, as on the load servers: every text is encoded and decoded in every round
+        self.pipeline = build_pipeline(entry, "onnx", "fp32", args.threads, "continuous", cache_bytes=0)
 
     def run(self, texts: list[str], beam: int) -> dict:
         from server.engine.options import DecodingOptions
@@ -436,7 +437,8 @@ def targets(measured: dict, engine: dict | None) -> dict:
             out[f"cache_speedup_{name}"] = {"target": TARGETS["cache_speedup"],
                                             "measured": result["speedup"]["median"],
                                             "note": f"options {result['options']}, median over pairs"
-                                                    + ("" if result["cache"] == "result" else encoder_bound(measured))}
+                                                    + ("" if result["cache"] == "result" or result["options"] == GREEDY
+                                                       else encoder_bound(measured))}
     for t in out.values():
         t["met"] = t["measured"] <= t["target"] if t.get("lower_is_better") else t["measured"] >= t["target"]
     return out
