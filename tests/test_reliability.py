@@ -32,7 +32,7 @@ from server.__main__ import main as server_main
 from server.client import Client
 from server.engine.sequence import CANCELLED, DEADLINE
 from tests.served import RunningServer, ServerProcess, config_for, free_port
-from training.data import load_examples
+from training.data import load_examples, normalize_input
 
 torch.set_num_threads(1)
 CODE = grpc.StatusCode
@@ -135,13 +135,15 @@ def text_problem(entry, task: str, texts: list[str]) -> str:
 
 
 def check_results(server: RunningServer, request, model: str, results) -> None:
-    """Every text has its result: the source as the model's tokenizer reads the text we sent (so
-    nothing was lost or mangled on the way), n_best hypotheses within the length limits, ordered."""
+    """Every text has its result: the source as the model's tokenizer reads the text we sent, in
+    the model's input style (so nothing was lost or mangled on the way), n_best hypotheses within
+    the length limits, ordered."""
     entry = server.registry.pipelines[model].entry
     o = options_of(request.options)
     assert [r.index for r in results] == list(range(len(request.texts)))
     for text, result in zip(request.texts, results):
-        source = min(len(entry.sp.encode(text)), entry.max_src_len - 1) + 1  # pieces + EOS
+        pieces = entry.sp.encode(normalize_input(entry.input_style, text))
+        source = min(len(pieces), entry.max_src_len - 1) + 1  # pieces + EOS
         assert result.source_tokens == source
         limit = int(source * o["max_length_ratio"] + o["max_length_offset"])
         for cap in (o["max_length"], entry.cfg.max_positions - 1, FUZZ_LIMITS["max_output_tokens"]):
