@@ -82,7 +82,7 @@ def encoder_spec(cfg: ModelConfig) -> GraphSpec:
     inputs = [TensorSpec("src_ids", "int64", ("batch", "src_len"))]
     if cfg.pos_tags:
         inputs.append(TensorSpec("src_tags", "int64", ("batch", "src_len")))
-    weights = ["embed.", "src_word.", "tag_embed.", "src_in.", "encoder.", "multiview.", "global_state.",
+    weights = ["embed.", "tag_embed.", "src_in.", "encoder.", "multiview.", "global_state.",
                "context_gate.w_s."]
     weights += [f"decoder.{i}.cross_attn.{p}." for i in range(cfg.dec_layers) for p in "kv"]
     return GraphSpec("encoder", tuple(inputs), tuple(_per_sentence(cfg)), tuple(weights))

@@ -179,6 +179,16 @@ def test_k_one_is_the_standard_table():
     torch.testing.assert_close(sinusoid_table(10, 8, k=4)[1], table[4])
 
 
+def test_pos_source_words_read_the_tied_table_at_its_scale():
+    """[sqrt(d_emb) E[w] + PE ; tag]: E is the first D - 64 columns of the one shared table."""
+    pos = Seq2Seq(tiny_config("mvpe_pos", pos_dim=16)).eval()
+    assert pos.num_parameters() == Seq2Seq(tiny_config("mvpe")).num_parameters()  # no second vocabulary
+    src, tags = random_batch(pos.cfg, [6])
+    d_word = pos.cfg.d_model - 16
+    words = pos.embed.weight[src, :d_word] * d_word ** 0.5 + pos.src_positions[:6]
+    torch.testing.assert_close(pos.embed_source(src, tags), torch.cat([words, pos.tag_table[tags]], -1))
+
+
 # ---- Graph-Transformer ------------------------------------------------------------------
 def test_graph_layer_one_with_sum_fusion_is_a_standard_encoder_layer():
     graph = build("graph_sum")

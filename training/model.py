@@ -59,7 +59,6 @@ class Seq2Seq(nn.Module):
                 table[0] = 0  # PAD tag -> zero vector
                 self.register_buffer("tag_table", table, persistent=False)
             self.src_in = nn.Linear(d_word + cfg.pos_dim, d) if cfg.pos_proj else None
-            self.src_word = nn.Embedding(cfg.vocab_size, d_word, padding_idx=cfg.pad_id) if d_word != d else None
         self.drop = nn.Dropout(cfg.dropout)
         self.encoder = GraphEncoder(cfg) if cfg.encoder == "graph" else TransformerEncoder(cfg)
         self.multiview = MultiViewMemory(cfg) if cfg.multiview else None
@@ -74,8 +73,11 @@ class Seq2Seq(nn.Module):
             return self.embed_tokens(src, 0)
         if tags is None:
             raise ValueError("this model needs source POS tags (config pos_tags=True)")
-        words = self.src_word if self.src_word is not None else self.embed
-        x = words(src) * math.sqrt(words.embedding_dim) + self.src_positions[: src.shape[1]]
+        # The source words stay tied to the shared table: with d_emb = D - 64 they read its first d_emb columns
+        # (an own, untied table trailed mvPE alone by about 10 validation BLEU on Multi30K).
+        d_word = self.src_positions.shape[1]
+        words = F.embedding(src, self.embed.weight[:, :d_word], padding_idx=self.cfg.pad_id)
+        x = words * math.sqrt(d_word) + self.src_positions[: src.shape[1]]
         t = self.tag_embed(tags) if self.cfg.pos_embedding == "learned" else self.tag_table[tags]
         x = torch.cat([x, t], -1)
         return self.drop(self.src_in(x) if self.src_in is not None else x)
