@@ -10,7 +10,9 @@
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
 # control continues the unchanged baseline for the same EXTRA steps. Variants that change the
 # embeddings or the encoder (mvPE, POS tags, Graph-Transformer) cannot start from the baseline:
-# they train from scratch for baseline + EXTRA steps, the control's total.
+# they train from scratch for baseline + EXTRA steps, the control's total, and are compared with a vanilla
+# model trained from scratch the same way (deen-scratch-control): a restart from a converged baseline, with
+# checkpoint averaging, is an advantage of its own.
 #
 # Shipping rule (models/): per task and direction, the finished run with the best validation score
 # (training.ship measures and records it); within 0.1 BLEU/ROUGE of the best, a vanilla model is
@@ -60,6 +62,7 @@ study() {
   local scratch="--batch-tokens 3000 --dropout 0.1 --eval-every 500"
   run deen-mvpe $((DEEN_BASE + EXTRA)) $scratch --mvpe
   run deen-mvpe-pos $((DEEN_BASE + EXTRA)) $scratch --mvpe --pos-tags
+  run deen-scratch-control $((DEEN_BASE + EXTRA)) $scratch
 }
 
 giga_vocab() {  # Gigaword with half the vocabulary: 10k pairs leave many of 8000 pieces rarely seen
