@@ -75,6 +75,28 @@ def test_resume_continues_with_the_same_losses(tmp_path):
     assert resumed == straight
 
 
+def test_a_killed_run_resumes_from_its_last_periodic_save_with_the_same_losses(tmp_path, monkeypatch):
+    straight = losses(run_train(tmp_path / "straight", "--max-steps", "40", "--eval-every", "40"))
+    real_step = train.Trainer.train_step
+
+    def killed_at_step_27(self, ids):
+        if self.step == 27:
+            raise KeyboardInterrupt
+        return real_step(self, ids)
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(train.Trainer, "train_step", killed_at_step_27)
+        run_train(tmp_path / "killed", "--max-steps", "40", "--eval-every", "40", "--save-every", "10")
+    log = run_train(tmp_path / "killed", "--max-steps", "40", "--eval-every", "40")
+    assert [r["step"] for r in log if r["event"] == "train"] == [10, 20, 30, 40]  # it went on from step 20
+    assert losses(log) == straight  # steps 21 to 27 were lost and are trained again, identically
+
+
+def test_intervals_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", str(tmp_path), "--save-every", "0"])
+
+
 def test_translate_cli_keeps_order_and_one_line_per_input(fitted, monkeypatch, capsys):
     pairs = load_examples("multi30k", "train", "de", "en")[:5]
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(p.source + "\n" for p in reversed(pairs))))

@@ -34,6 +34,14 @@ from .positions import choose_mvpe_k
 VALID_SPLIT = {"multi30k": "val", "gigaword": "valid", "aeslc": "dev"}
 
 
+def every(text: str) -> int:
+    """An interval in steps: a positive integer."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
@@ -61,8 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="per process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per process (LOCAL_RANK under torchrun), NCCL between them; cpu: gloo")
-    p.add_argument("--eval-every", type=int, default=1000)
-    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--eval-every", type=every, default=1000)
+    p.add_argument("--log-every", type=every, default=100)
+    p.add_argument("--save-every", type=every, default=100,
+                   help="save the resumable state every N steps (a kill loses at most N steps), besides every evaluation")
     p.add_argument("--average-last", type=int, default=5, help="average the last k evaluated snapshots")
     p.add_argument("--init-from", type=Path, help="warm start: load this checkpoint, add new modules")
     # architecture switches (SPEC.md)
@@ -377,6 +387,8 @@ class Trainer:
                 if self.step % args.eval_every == 0 or self.step >= args.max_steps or out_of_time:
                     self.evaluate_and_save(loss)
                     tick = window_start = time.time()  # validation time is not training time
+                elif self.step % args.save_every == 0:
+                    self.save_state()
                 if out_of_time:
                     args.max_steps = self.step
             if self.batch_in_epoch >= len(batches):
