@@ -228,9 +228,10 @@ def report() -> Path:
              "How the systems were trained: `training/runs.sh` (one baseline per task; every variant continues it for "
              "the same extra steps as a control that continues the unchanged baseline, so a gain cannot come from "
              "more training). Variants that change the embeddings or the encoder (mvPE, POS tags, Graph-Transformer), "
-             "and GRET as its paper trains it, train from scratch for the control's total steps instead "
-             "(`translation-scratch-2650`). The speed column is PyTorch decoding on a shared machine, a rough guide; "
-             "serving speed is measured by the engine benchmark (`docs/BENCHMARKS.md`).",
+             "and GRET as its paper trains it, train from scratch for the control's total steps instead, against a "
+             "vanilla model trained from scratch the same way (`translation-scratch-2650`). The speed column is "
+             "PyTorch decoding on a shared machine, a rough guide; serving speed is measured by the engine benchmark "
+             "(`docs/BENCHMARKS.md`).",
              ""]
     payloads = [json.loads(path.read_text()) for path in sorted(RESULTS_DIR.glob("*.json"))]
     payloads = [p for p in payloads if "control" in p]  # other tools keep their results here too (export.quality)
