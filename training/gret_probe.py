@@ -1,0 +1,133 @@
+"""Does a trained GRET model use its global state? Ablate s^M at inference and measure the gate.
+
+python -m training.gret_probe --systems runs/deen-gret-full runs/deen-gret-scratch [--threads 2]
+
+For each system, on its study split (the first of training.study.TEST_SPLITS):
+- the metric as trained, then with each sentence's s^M replaced by the split's mean s^M (the
+  sentence-specific part removed, its average kept) and by zero (GRET's output term removed);
+  Gs = W_gs s^M + b_g is recomputed from the replaced s^M;
+- teacher-forced on the references: the mean gate value g and the size of GRET's output term
+  relative to the decoder state it is added to, ||g * s^M|| / ||r||, per target token;
+- how sentence-specific s^M is: the spread of s^M across sentences relative to its mean's norm.
+The JSON goes to docs/results/gret-probe.json; `python -m training.study report` renders it."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import load_checkpoint
+from .data import BOS, PAD, encode_source, load_examples, pad, source_batches
+from .decode import corpus_translate
+from .metrics import bleu, paired_bootstrap, rouge
+from .study import PROBE_PATH, RESULTS_DIR, TEST_SPLITS, git_commit
+
+
+@contextlib.contextmanager
+def replaced_global_state(model, replace):
+    """Every encode() in the block uses replace(s^M) instead of the model's s^M."""
+    handle = model.global_state.register_forward_hook(lambda module, inputs, s: replace(s))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def global_states(model, src: list[list[int]]) -> torch.Tensor:
+    """s^M of every sentence, (N, D), in input order."""
+    out = torch.empty(len(src), model.cfg.d_model)
+    for ids, src_batch, _ in source_batches(src, 3000):
+        out[ids] = model.encode(src_batch).global_state
+    return out
+
+
+@torch.no_grad()
+def gate_statistics(model, sources: list[list[int]], targets: list[list[int]]) -> dict:
+    """Teacher-forced (targets are the decoder's inputs, BOS + pieces): the mean gate value and
+    ||g * s^M|| / ||r|| over the real target tokens."""
+    captured = {}
+    hook = model.decoder[-1].register_forward_hook(lambda m, inputs, out: captured.__setitem__("x", out[0]))
+    gates, ratios = [], []
+    try:
+        for start in range(0, len(sources), 64):
+            tgt_in = pad(targets[start: start + 64])
+            enc = model.encode(pad(sources[start: start + 64]))
+            model.decode(tgt_in, enc)
+            r = model.dec_norm(captured["x"])  # the state GRET's output term is added to
+            s = enc.global_state[:, None]
+            if model.context_gate is not None:
+                g = torch.sigmoid(F.linear(r, model.context_gate.w_r.weight) + enc.gate_source[:, None])
+            else:  # aggregate without the gate: s^M is added as it is
+                g = torch.ones_like(r)
+            real = tgt_in.ne(PAD)
+            gates.append(g.mean(-1)[real])
+            ratios.append(((g * s).norm(dim=-1) / r.norm(dim=-1))[real])
+    finally:
+        hook.remove()
+    gates, ratios = torch.cat(gates), torch.cat(ratios)
+    return {"tokens": gates.numel(), "gate_mean": round(gates.mean().item(), 4),
+            "output_term_ratio_mean": round(ratios.mean().item(), 4),
+            "output_term_ratio_median": round(ratios.median().item(), 4)}
+
+
+def probe(path: Path, beam: int, samples: int) -> dict:
+    model, ckpt, sp = load_checkpoint(path)
+    if model.global_state is None:
+        raise SystemExit(f"{path} is not a GRET model with a global state (capsule or aggregate)")
+    data = ckpt.data
+    split = TEST_SPLITS[data.dataset][0]
+    examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
+    sources, refs = [e.source for e in examples], [e.refs for e in examples]
+    metric = "bleu" if data.task == "translate" else "rouge1"
+    score = (lambda hyps: bleu(hyps, refs)) if metric == "bleu" else (lambda hyps: rouge(hyps, refs)[metric])
+
+    src = [encode_source(sp, t, data.max_src_len) for t in sources]
+    states = global_states(model, src)
+    mean = states.mean(0)
+    spread = (states - mean).norm(dim=-1).mean().item() / mean.norm().item()
+
+    def translate():
+        return corpus_translate(model, sp, sources, beam=beam, max_src_len=data.max_src_len, src_lang=data.src_lang)
+
+    trained = translate()
+    ablations = {}
+    for name, replace in (("mean", lambda s: mean.expand_as(s)), ("zero", torch.zeros_like)):
+        with replaced_global_state(model, replace):
+            hyps = translate()
+        # p: the share of resamples in which the model with its own s^M does not beat the ablation
+        ablations[name] = {metric: score(hyps), "vs_trained": paired_bootstrap(hyps, trained, refs, metric,
+                                                                                 samples=samples)}
+    return {"name": path.name, "dataset": data.dataset, "direction": f"{data.src_lang}-{data.tgt_lang}",
+            "split": split, "metric": metric, "modules": [m for m in ("capsule", "aggregate", "gate")
+                                                          if getattr(ckpt.model, m)],
+            "trained": {metric: score(trained)}, "ablations": ablations,
+            "global_state_spread": round(spread, 4),
+            "gate": gate_statistics(model, src, [[BOS] + sp.encode(e.target)[: data.max_tgt_len - 2]
+                                                 for e in examples])}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", nargs="+", type=Path, required=True)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--samples", type=int, default=1000)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    payload = {"command": "python -m training.gret_probe " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+               "beam": args.beam, "threads": args.threads, "commit": git_commit(),
+               "systems": [probe(path, args.beam, args.samples) for path in args.systems]}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    PROBE_PATH.write_text(json.dumps(payload, indent=2) + "\n")
+    print(PROBE_PATH)
+
+
+if __name__ == "__main__":
+    main()
