@@ -67,3 +67,5 @@ def test_the_report_shows_each_ablation_as_a_change_from_the_trained_score():
                                      "output_term_ratio_median": 0.044}}]}
     row = [line for line in gret_probe_lines(payload) if line.startswith("| `g`")][0]
     assert "| bleu 40.00 | 39.90 (-0.10, 0.300) | 38.50 (-1.50, 0.000) | 0.042 | 0.050 / 0.044 | 0.061 |" in row
+    assert ("by at most 0.10 in any system (smallest p 0.300); setting s^M to zero costs up to 1.50 (`g`)"
+            in "\n".join(gret_probe_lines(payload)))

@@ -246,7 +246,13 @@ def gret_probe_lines(payload: dict) -> list[str]:
                      f"| {m} {s['trained'][m]:.2f} | {ablated[0]} | {ablated[1]} | {gate['gate_mean']:.3f} | "
                      f"{gate['output_term_ratio_mean']:.3f} / {gate['output_term_ratio_median']:.3f} | "
                      f"{s['global_state_spread']:.3f} |")
-    return lines + [""]
+    mean = [(abs(s["ablations"]["mean"]["vs_trained"]["delta"]), s["ablations"]["mean"]["vs_trained"]["p_value"])
+            for s in payload["systems"]]
+    zero = max(payload["systems"], key=lambda s: s["ablations"]["zero"]["vs_trained"]["delta"])
+    return lines + ["", f"Replacing each sentence's s^M by the mean s^M changes the score by at most "
+                        f"{max(d for d, _ in mean):.2f} in any system (smallest p {min(p for _, p in mean):.3f}); "
+                        f"setting s^M to zero costs up to {zero['ablations']['zero']['vs_trained']['delta']:.2f} "
+                        f"(`{zero['name']}`).", ""]
 
 
 def report() -> Path:
