@@ -25,10 +25,14 @@ LayerNormParams = tuple[torch.Tensor, torch.Tensor, float]  # (gamma, beta, eps)
 
 
 # ---- reference (the model's own math) ---------------------------------------------------
+def gate_values(r: torch.Tensor, w_r: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """g = sigmoid(r W_gr^T + Gs), with Gs already shaped to broadcast against r."""
+    return torch.sigmoid(F.linear(r, w_r) + gs)
+
+
 def context_gate_reference(r: torch.Tensor, w_r: torch.Tensor, s: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """r: (B, beam, T, D) normalised states; s, gs: (B, D) read by every beam of a sentence."""
-    g = torch.sigmoid(F.linear(r, w_r) + gs[:, None, None])
-    return r + g * s[:, None, None]
+    return r + gate_values(r, w_r, gs[:, None, None]) * s[:, None, None]
 
 
 def gated_output_reference(h: torch.Tensor, w_r: torch.Tensor, s: torch.Tensor, gs: torch.Tensor, beam: int,

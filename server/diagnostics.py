@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.context_gate import gate_values
 from kernels.routing import capsule_routing_reference
 from training.model import Seq2Seq
 
@@ -32,7 +33,7 @@ def gret_diagnostics(model: Seq2Seq, src: list[int], tokens: list[int],
         for layer, memory in zip(model.decoder, enc.memory):
             x, _ = layer(x, memory, enc.src_pad)
         r = model.dec_norm(x[0, : len(tokens)])
-        g = torch.sigmoid(model.context_gate.w_r(r) + enc.gate_source)
+        g = gate_values(r, model.context_gate.w_r.weight, enc.gate_source)
         gate = g.mean(-1).tolist()
     agreement = 0.0
     if cfg.capsule:

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from kernels.context_gate import gate_values
 
 from .checkpoint import load_checkpoint
 from .data import BOS, PAD, encode_source, load_examples, pad, source_batches
@@ -63,7 +64,7 @@ def gate_statistics(model, sources: list[list[int]], targets: list[list[int]]) -
             r = model.dec_norm(captured["x"])  # the state GRET's output term is added to
             s = enc.global_state[:, None]
             if model.context_gate is not None:
-                g = torch.sigmoid(F.linear(r, model.context_gate.w_r.weight) + enc.gate_source[:, None])
+                g = gate_values(r, model.context_gate.w_r.weight, enc.gate_source[:, None])
             else:  # aggregate without the gate: s^M is added as it is
                 g = torch.ones_like(r)
             real = tgt_in.ne(PAD)
