@@ -41,16 +41,17 @@ def masked_mean(h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
 
 
 def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
-                              detach: bool = False, coupling: bool = False):
+                              detach: bool = False, coupling: bool = False, scale: float = 1.0):
     """h: (G, S, D), pad: (G, S) True = pad, w: (K, D, d_c). Returns capsules U: (G, K, d_c), and
-    with `coupling` also the last iteration's coupling coefficients c (G, K, S) (diagnostics)."""
+    with `coupling` also the last iteration's coupling coefficients c (G, K, S) (diagnostics).
+    `scale` multiplies the routing logits (a temperature; 1 is the paper's form)."""
     n_caps = w.shape[0]
     pooled = masked_mean(h, pad)[:, None, :].expand(-1, n_caps, -1)  # iteration 1: uniform c
     c = (~pad).float()[:, None, :].expand(-1, n_caps, -1) / (~pad).sum(-1).clamp(min=1)[:, None, None]
     z = None
     for t in range(iters):
         if t > 0:
-            logits = torch.einsum("gkd,gsd->gks", z, h).float().masked_fill(pad[:, None, :], float("-inf"))
+            logits = (torch.einsum("gkd,gsd->gks", z, h).float() * scale).masked_fill(pad[:, None, :], float("-inf"))
             c = torch.softmax(logits, -1)
             pooled = torch.einsum("gks,gsd->gkd", c.to(h.dtype), h)
         u = squash(torch.einsum("gkd,kdc->gkc", pooled, w))
@@ -62,11 +63,11 @@ def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tenso
 
 # ---- dispatcher ---------------------------------------------------------------------------
 def capsule_routing(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
-                    detach: bool = False) -> torch.Tensor:
+                    detach: bool = False, scale: float = 1.0) -> torch.Tensor:
     """Triton on CUDA at inference, the reference otherwise (`detach` only matters for gradients)."""
     if use_triton(h, w):
-        return capsule_routing_triton(h, pad, w, iters)
-    return capsule_routing_reference(h, pad, w, iters, detach)
+        return capsule_routing_triton(h, pad, w, iters, scale)
+    return capsule_routing_reference(h, pad, w, iters, detach, scale=scale)
 
 
 # ---- Triton -------------------------------------------------------------------------------
@@ -90,11 +91,11 @@ def _masked_mean_kernel(h_ptr, pad_ptr, out_ptr, S, D, stride_hg, stride_hs, str
 
 
 @triton.jit
-def _routing_attention_kernel(h_ptr, pad_ptr, z_ptr, out_ptr, S, D, K,
+def _routing_attention_kernel(h_ptr, pad_ptr, z_ptr, out_ptr, S, D, K, SCALE,
                               stride_hg, stride_hs, stride_pg, stride_zg, stride_zk, stride_og, stride_ok,
                               BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                               PRECISION: tl.constexpr):
-    """R1: Hb[g, k] = sum_s softmax_s(Z[g, k] . h[g, s]) h[g, s], pads excluded."""
+    """R1: Hb[g, k] = sum_s softmax_s(SCALE * Z[g, k] . h[g, s]) h[g, s], pads excluded."""
     g = tl.program_id(0)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)  # D whole: the output row block (BLOCK_K, D) lives in registers
@@ -110,7 +111,7 @@ def _routing_attention_kernel(h_ptr, pad_ptr, z_ptr, out_ptr, S, D, K,
         keep = (offs_s < S) & (tl.load(pad_ptr + g * stride_pg + offs_s, mask=offs_s < S, other=1) == 0)
         h = tl.load(h_ptr + g * stride_hg + offs_s[:, None] * stride_hs + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
-        logits = tl.dot(z, tl.trans(h), input_precision=PRECISION)  # (BLOCK_K, BLOCK_S), unscaled
+        logits = tl.dot(z, tl.trans(h), input_precision=PRECISION) * SCALE  # (BLOCK_K, BLOCK_S)
         run_max, run_sum, acc = online_softmax_update(logits, keep, h, run_max, run_sum, acc, PRECISION)
     out = acc / run_sum[:, None]
     tl.store(out_ptr + g * stride_og + offs_k[:, None] * stride_ok + offs_d[None, :],
@@ -157,7 +158,8 @@ def _capsule_transform_kernel(hb_ptr, w_ptr, z_ptr, u_ptr, G, D, C,
                  mask=r_ok[:, None] & c_ok[None, :])
 
 
-def capsule_routing_triton(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int) -> torch.Tensor:
+def capsule_routing_triton(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
+                           scale: float = 1.0) -> torch.Tensor:
     """Same contract as the reference (every sentence needs at least one non-pad position)."""
     g, s, d = h.shape
     k, _, c = w.shape
@@ -179,7 +181,7 @@ def capsule_routing_triton(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, 
     for t in range(iters):
         if t > 0:
             _routing_attention_kernel[(g, triton.cdiv(k, block_k))](
-                h, pad, z, hb, s, d, k, h.stride(0), h.stride(1), pad.stride(0), z.stride(0), z.stride(1),
+                h, pad, z, hb, s, d, k, scale, h.stride(0), h.stride(1), pad.stride(0), z.stride(0), z.stride(1),
                 hb.stride(0), hb.stride(1),
                 BLOCK_K=block_k, BLOCK_S=block_s, BLOCK_D=block(d), PRECISION=precision,
                 num_warps=8 if wide else 4)

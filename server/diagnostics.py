@@ -39,7 +39,8 @@ def gret_diagnostics(model: Seq2Seq, src: list[int], tokens: list[int],
     if cfg.capsule:
         routed = model.global_state.routed_views(views)
         _, c = capsule_routing_reference(torch.cat(routed), pad.repeat(len(routed), 1), model.global_state.capsule_w,
-                                         cfg.routing_iters, coupling=True)
+                                         cfg.routing_iters, coupling=True,
+                                         scale=model.global_state.routing_logit_scale)
         agreement = float(c.max(-1).values.mean())
     return gate, agreement
 

@@ -13,6 +13,8 @@ ARCHITECTURES: dict[str, dict] = {
     "gret_capsule_gate": dict(capsule=True, gate=True),
     "gret_full": dict(capsule=True, aggregate=True, gate=True),
     "gret_full_mean_pool": dict(capsule=True, aggregate=True, gate=True, pooling="mean"),
+    "gret_full_scaled": dict(capsule=True, aggregate=True, gate=True, global_norm=True, global_zero_bias=True,
+                             routing_scale=True, gate_bias_init=0.0),
     "gret_aggregate_gate_post_norm": dict(aggregate=True, gate=True, pre_norm=False),
     "multiview_gca": dict(multiview="gca", dec_layers=3),
     "multiview_gpa": dict(multiview="gpa"),

@@ -66,6 +66,20 @@ def test_routing_matches_reference(case, dtype):
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routing_temperature_matches_reference(dtype):
+    """The routing-logit scale (routing_scale: 1/sqrt(D)) is applied inside the kernel's softmax."""
+    lengths, d, k, c, iters = ROUTING_SHAPES["odd sizes, heavy padding"]
+    gen = torch.Generator().manual_seed(1)
+    pad = right_pad(lengths, max(lengths)).to(DEVICE)
+    h = randn(len(lengths), max(lengths), d, gen=gen, scale=4.0).to(dtype)
+    w = randn(k, d, c, gen=gen, scale=d ** -0.5).to(dtype)
+    got = routing.capsule_routing_triton(h, pad, w, iters, scale=d ** -0.5)
+    want = routing.capsule_routing_reference(h, pad, w, iters, scale=d ** -0.5)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    assert not torch.allclose(want.float(), routing.capsule_routing_reference(h, pad, w, iters).float(), atol=1e-3)
+
+
 # ---- context gate ----------------------------------------------------------------------------
 GATE_SHAPES = {  # sentences, beam, T, D
     "one row": (1, 1, 1, 16),

@@ -93,11 +93,12 @@ def routing_inputs(g=3, s=7, d=12, k=5, dc=6, seed=0):
     return h, pad, w
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.125])
 @pytest.mark.parametrize("iters", [1, 2, 3, 5])
-def test_factorised_routing_equals_explicit_routing(iters):
+def test_factorised_routing_equals_explicit_routing(iters, scale):
     h, pad, w = routing_inputs()
-    torch.testing.assert_close(capsule_routing(h, pad, w, iters), capsule_routing_explicit(h, pad, w, iters),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(capsule_routing(h, pad, w, iters, scale=scale),
+                               capsule_routing_explicit(h, pad, w, iters, scale=scale), atol=1e-5, rtol=1e-4)
 
 
 def test_one_iteration_is_squashed_transform_of_masked_mean():

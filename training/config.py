@@ -45,6 +45,11 @@ class ModelConfig:
     routing_detach: bool = False
     pooling: str = "attentive"  # attentive | mean
     gate_bias_init: float = -3.0
+    # Scale switches (docs/GRET.md): the paper's form leaves s^M a near-constant vector far smaller
+    # than the decoder state it is added to. Each is off in the paper's form.
+    global_norm: bool = False  # LayerNorm on every layer vector x^m and on s^M: ||s^M|| ~ sqrt(D), like r
+    global_zero_bias: bool = False  # FFN_q / FFN_o biases start at 0, so the pooled capsules, not a constant, set x^m
+    routing_scale: bool = False  # routing logits divided by sqrt(D): soft coupling instead of token selection
 
     # Layer-wise multi-view decoding (SPEC §2).
     multiview: str | None = None  # gca | gpa | fga | fma | ama

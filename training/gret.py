@@ -11,12 +11,14 @@ from kernels.routing import capsule_routing, masked_mean, squash  # the dispatch
 from .layers import FeedForward
 
 
-def capsule_routing_explicit(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int) -> torch.Tensor:
-    """Algorithm 1 as printed (materialises u_hat); the reference the factorised form must equal."""
+def capsule_routing_explicit(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
+                             scale: float = 1.0) -> torch.Tensor:
+    """Algorithm 1 as printed (materialises u_hat); the reference the factorised form must equal.
+    `scale` multiplies the logits b before the softmax (1 in the paper)."""
     u_hat = torch.einsum("gsd,kdc->gksc", h, w)
     b = torch.zeros(u_hat.shape[:3], dtype=torch.float32)
     for t in range(iters):
-        c = torch.softmax(b.masked_fill(pad[:, None, :], float("-inf")), -1).to(h.dtype)
+        c = torch.softmax((scale * b).masked_fill(pad[:, None, :], float("-inf")), -1).to(h.dtype)
         u = squash(torch.einsum("gks,gksc->gkc", c, u_hat))
         if t < iters - 1:
             b = b + torch.einsum("gksc,gkc->gks", u_hat, u).float()
@@ -38,6 +40,14 @@ class GlobalState(nn.Module):
             if cfg.pooling == "attentive":
                 self.pool_query = FeedForward(dc, 4 * dc, cfg.dropout)
             self.pool_out = FeedForward(dc, cfg.d_ff, cfg.dropout, d_out=d)
+            if cfg.global_zero_bias:
+                for ffn in (getattr(self, "pool_query", None), self.pool_out):
+                    if ffn is not None:
+                        nn.init.zeros_(ffn.w1.bias)
+                        nn.init.zeros_(ffn.w2.bias)
+        if cfg.global_norm:
+            self.vector_norm = nn.LayerNorm(d)  # every x^m
+            self.state_norm = nn.LayerNorm(d)  # s^M
         if cfg.pre_norm and cfg.aggregate:
             self.layer_norm = nn.LayerNorm(d)  # routed residual streams of layers 1..M-1
         if cfg.aggregate:
@@ -47,6 +57,10 @@ class GlobalState(nn.Module):
                     nn.init.orthogonal_(block)
             nn.init.zeros_(self.gru.bias_ih)
             nn.init.zeros_(self.gru.bias_hh)
+
+    @property
+    def routing_logit_scale(self) -> float:
+        return self.cfg.d_model ** -0.5 if self.cfg.routing_scale else 1.0
 
     def pool(self, u: torch.Tensor) -> torch.Tensor:
         """ATP (eqs. 7-9): query from the mean capsule, unscaled attention over K, FFN_o."""
@@ -68,20 +82,25 @@ class GlobalState(nn.Module):
         """x^m for the routed layers."""
         views = self.routed_views(views)
         if not self.cfg.capsule:
-            return [masked_mean(v, pad) for v in views]
-        m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
-        u = capsule_routing(torch.cat(views), pad.repeat(m, 1), self.capsule_w,
-                            self.cfg.routing_iters, self.cfg.routing_detach)
-        return list(self.pool(u).chunk(m))
+            x = torch.stack([masked_mean(v, pad) for v in views])
+        else:
+            m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
+            u = capsule_routing(torch.cat(views), pad.repeat(m, 1), self.capsule_w,
+                                self.cfg.routing_iters, self.cfg.routing_detach, self.routing_logit_scale)
+            x = self.pool(u).unflatten(0, (m, -1))
+        if self.cfg.global_norm:
+            x = self.vector_norm(x)
+        return list(x.unbind(0))
 
     def forward(self, views: list[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
         xs = self.layer_vectors(views, pad)
-        if not self.cfg.aggregate:
-            return xs[-1]
-        s = torch.zeros_like(xs[0])
-        for x in xs:
-            s = self.gru(x, s)
-        return s
+        if self.cfg.aggregate:
+            s = torch.zeros_like(xs[0])
+            for x in xs:
+                s = self.gru(x, s)
+        else:
+            s = xs[-1]
+        return self.state_norm(s) if self.cfg.global_norm else s
 
 
 class ContextGate(nn.Module):

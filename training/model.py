@@ -141,8 +141,17 @@ class Seq2Seq(nn.Module):
             new_cache.append(layer_cache)
         return torch.log_softmax(self.output(x, enc, beam)[:, 0].float(), -1), new_cache
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_tags: torch.Tensor | None = None) -> torch.Tensor:
-        return self.decode(tgt_in, self.encode(src, src_tags))
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_tags: torch.Tensor | None = None,
+                with_global_state: bool = False):
+        """Teacher-forced logits (B, T, V); with `with_global_state` also s^M (B, D), which the
+        training loop's bag-of-words loss reads."""
+        enc = self.encode(src, src_tags)
+        logits = self.decode(tgt_in, enc)
+        return (logits, enc.global_state) if with_global_state else logits
+
+    def bag_of_words_logits(self, s: torch.Tensor) -> torch.Tensor:
+        """s^M read through the tied output embedding (B, V): the space GRET's output term adds s^M in."""
+        return F.linear(s, self.embed.weight)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -82,6 +82,12 @@ def parse_args(argv=None):
     p.add_argument("--capsules", type=int)
     p.add_argument("--routing-iters", type=int)
     p.add_argument("--capsule-dim", type=int)
+    p.add_argument("--global-norm", action="store_true", help="GRET: LayerNorm on every x^m and on s^M")
+    p.add_argument("--global-zero-bias", action="store_true", help="GRET: FFN_q / FFN_o biases start at zero")
+    p.add_argument("--routing-scale", action="store_true", help="GRET: routing logits divided by sqrt(D)")
+    p.add_argument("--global-bow", type=float, default=0.0,
+                   help="GRET: weight of an auxiliary loss that predicts the target's words from s^M "
+                        "through the tied output embedding (0: off, the paper's training)")
     p.add_argument("--gate-bias-init", type=float, help="the context gate's initial bias (default -3: a warm-started "
                                                          "model starts near its baseline; 0 is the usual init)")
     p.add_argument("--multiview", choices=("gca", "gpa", "fga", "fma", "ama"))
@@ -109,6 +115,9 @@ def model_config(args, vocab_size: int, base: ModelConfig | None) -> ModelConfig
     for name in ("pooling", "capsules", "routing_iters", "capsule_dim", "gate_bias_init", "dropout", "graph_fusion"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
+    for name in ("global_norm", "global_zero_bias", "routing_scale"):
+        if getattr(args, name):
+            changes[name] = True
     if args.multiview:
         changes.update(multiview=args.multiview, multiview_soft=not args.multiview_replace)
     if args.mvpe:
@@ -146,6 +155,14 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
     loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=PAD,
                            label_smoothing=smoothing, reduction="sum")
     return loss, target.ne(PAD).sum().to(loss.dtype)
+
+
+def bag_of_words_loss(word_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Summed over the non-pad target tokens: -log p(y | s^M) with p a softmax over the vocabulary,
+    one distribution per sentence. It makes s^M carry the sentence's own target words, in the very
+    space where GRET's output term adds s^M to the decoder state."""
+    log_p = torch.log_softmax(word_logits.float(), -1).gather(1, target)
+    return -(log_p * target.ne(PAD)).sum()
 
 
 def rng_key(name: str, rank: int) -> str:
@@ -205,6 +222,8 @@ class Trainer:
             torch.manual_seed(args.seed + procs.rank)
         self.generators = {"torch_rng": torch} | ({"cuda_rng": torch.cuda} if procs.device.type == "cuda" else {})
         self.ckpt = Checkpoint(cfg, self.data_cfg, record)
+        if args.global_bow and self.model.global_state is None:
+            raise SystemExit("--global-bow needs a GRET model with a global state (--gret capsule or aggregate)")
 
         kept = length_filter(train, self.sp, data.max_src_len, data.max_tgt_len, data.task == "summarize")
         dropped, train = len(train) - len(kept), kept
@@ -334,14 +353,19 @@ class Trainer:
         Returns the batch's mean token loss, its target tokens and the gradient norm (unclipped)."""
         args, procs = self.args, self.procs
         batch = self.batcher.collate(self.batcher.shard(ids, procs.rank, procs.world_size)).to(procs.device)
+        bow = args.global_bow > 0
         with torch.autocast(procs.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            logits = self.net(batch.src, batch.tgt[:, :-1], batch.src_tags)
+            out = self.net(batch.src, batch.tgt[:, :-1], batch.src_tags, with_global_state=bow)
+            logits, word_logits = (out[0], self.model.bag_of_words_logits(out[1])) if bow else (out, None)
         loss_sum, n_tokens = label_smoothed_loss(logits, batch.tgt[:, 1:], args.label_smoothing)
+        objective = loss_sum
+        if bow:
+            objective = objective + args.global_bow * bag_of_words_loss(word_logits, batch.tgt[:, 1:])
         batch_loss, batch_tokens = procs.all_sum(torch.stack([loss_sum.detach(), n_tokens])).tolist()
         self.optimizer.zero_grad(set_to_none=True)
         # DDP averages the processes' gradients; scaled by world_size, that average is their sum:
         # the gradient of the mean token loss over the whole batch, as in a single process.
-        (loss_sum * procs.world_size / batch_tokens).backward()
+        (objective * procs.world_size / batch_tokens).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip)
         self.optimizer.step()
         return batch_loss / batch_tokens, int(batch_tokens), float(grad_norm)
