@@ -69,3 +69,17 @@ def test_the_report_shows_each_ablation_as_a_change_from_the_trained_score():
     assert "| bleu 40.00 | 39.90 (-0.10, 0.300) | 38.50 (-1.50, 0.000) | 0.042 | 0.050 / 0.044 | 0.061 |" in row
     assert ("by at most 0.10 in any system (smallest p 0.300); setting s^M to zero costs up to 1.50 (`g`)"
             in "\n".join(gret_probe_lines(payload)))
+
+
+def test_the_report_gives_the_verdict_on_whether_a_model_uses_its_global_state():
+    system = {"name": "g", "dataset": "multi30k", "direction": "de-en", "split": "test_2016_flickr",
+              "metric": "bleu", "modules": ["capsule", "gate", "global_norm"], "trained": {"bleu": 40.0},
+              "uses_global_state": True,
+              "ablations": {"mean": {"bleu": 38.0, "vs_trained": {"delta": 2.0, "p_value": 0.0}},
+                            "zero": {"bleu": 30.0, "vs_trained": {"delta": 10.0, "p_value": 0.0}}},
+              "global_state_spread": 0.9,
+              "gate": {"tokens": 10, "gate_mean": 0.4, "output_term_ratio_mean": 0.5, "output_term_ratio_median": 0.5}}
+    payload = {"command": "python -m training.gret_probe --systems runs/g", "beam": 4, "threads": 2, "commit": "abc",
+               "systems": [system]}
+    row = [line for line in gret_probe_lines(payload) if line.startswith("| `g`")][0]
+    assert row.endswith("| 0.900 | **yes** |")

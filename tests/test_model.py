@@ -220,3 +220,24 @@ def test_shared_qkv_uses_six_input_projections_per_layer():
 
 def test_half_dim_halves_the_attention_width():
     assert build("graph_weight_gate_half").encoder.layers[1].high.q.out_features == tiny_config("vanilla").d_model // 2
+
+
+def test_scaled_global_state_sits_on_the_decoder_states_scale():
+    """global_norm: s^M is LayerNormed, so its norm is about sqrt(D) like the decoder state r it is
+    added to; in the paper's form it is a small vector (issue: the output term changed nothing)."""
+    torch.manual_seed(0)
+    src, _ = random_batch(tiny_config("gret_full"), [6, 4, 5])
+    d = tiny_config("gret_full").d_model
+    scaled = Seq2Seq(tiny_config("gret_full_scaled")).eval()
+    norms = scaled.encode(src).global_state.norm(dim=-1)
+    assert torch.allclose(norms, torch.full_like(norms, d ** 0.5), rtol=0.05)
+    pool = scaled.global_state.pool_out
+    assert not pool.w1.bias.any() and not pool.w2.bias.any()  # global_zero_bias
+    assert not scaled.context_gate.w_s.bias.detach().any()
+
+
+def test_routing_scale_softens_the_coupling():
+    cfg = tiny_config("gret_capsule", routing_scale=True)
+    model = Seq2Seq(cfg)
+    assert model.global_state.routing_logit_scale == pytest.approx(cfg.d_model ** -0.5)
+    assert Seq2Seq(tiny_config("gret_capsule")).global_state.routing_logit_scale == 1.0

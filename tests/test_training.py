@@ -119,6 +119,25 @@ def test_warm_start_adds_gret_modules_and_keeps_the_parent_weights(fitted, tmp_p
     assert ckpt.model.capsule and ckpt.model.gate and log[0]["event"] == "start"
 
 
+def test_the_scale_switches_and_the_bag_of_words_loss_train_a_warm_started_gret_model(fitted, tmp_path):
+    log = run_train(tmp_path / "scaled", "--init-from", str(fitted[0]), "--gret", "capsule,gate", "--global-norm",
+                    "--global-zero-bias", "--routing-scale", "--gate-bias-init", "0", "--global-bow", "0.5",
+                    "--max-steps", "20", "--eval-every", "20")
+    _, ckpt, _ = load_checkpoint(tmp_path / "scaled")
+    assert ckpt.model.global_norm and ckpt.model.global_zero_bias and ckpt.model.routing_scale
+    assert ckpt.model.gate_bias_init == 0.0 and ckpt.training["args"]["global_bow"] == 0.5
+    assert all(r["loss"] == r["loss"] for r in log if r["event"] == "train")  # finite, not NaN
+    with pytest.raises(SystemExit, match="global state"):
+        run_train(tmp_path / "vanilla-bow", "--global-bow", "0.5", "--max-steps", "1")
+
+
+def test_the_bag_of_words_loss_is_each_target_words_negative_log_probability_under_s():
+    word_logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
+    target = torch.tensor([[1, 2, 0], [2, 2, 2]])  # 0 is PAD
+    expected = -(2 * torch.log(torch.tensor(0.25)) + 3 * torch.log(torch.tensor(0.8)))
+    torch.testing.assert_close(train.bag_of_words_loss(word_logits, target), expected)
+
+
 def test_a_model_card_rebuilds_a_warm_started_model_from_its_parent_and_records_the_parent_weights(tmp_path):
     parent, child = tmp_path / "parent", tmp_path / "child"
     run_train(parent, "--max-steps", "3", "--eval-every", "3")

@@ -82,15 +82,13 @@ class GlobalState(nn.Module):
         """x^m for the routed layers."""
         views = self.routed_views(views)
         if not self.cfg.capsule:
-            x = torch.stack([masked_mean(v, pad) for v in views])
+            xs = [masked_mean(v, pad) for v in views]
         else:
             m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
             u = capsule_routing(torch.cat(views), pad.repeat(m, 1), self.capsule_w,
                                 self.cfg.routing_iters, self.cfg.routing_detach, self.routing_logit_scale)
-            x = self.pool(u).unflatten(0, (m, -1))
-        if self.cfg.global_norm:
-            x = self.vector_norm(x)
-        return list(x.unbind(0))
+            xs = list(self.pool(u).chunk(m))  # chunk, not a reshape: the traced graph keeps B dynamic
+        return [self.vector_norm(x) for x in xs] if self.cfg.global_norm else xs
 
     def forward(self, views: list[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
         xs = self.layer_vectors(views, pad)

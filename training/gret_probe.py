@@ -1,6 +1,6 @@
 """Does a trained GRET model use its global state? Ablate s^M at inference and measure the gate.
 
-python -m training.gret_probe --systems runs/deen-gret-full runs/deen-gret-scratch [--threads 2]
+python -m training.gret_probe --systems runs/deen-gret-full runs/deen-gret-scratch [--name NAME] [--threads 2]
 
 For each system, on its study split (the first of training.study.TEST_SPLITS):
 - the metric as trained, then with each sentence's s^M replaced by the split's mean s^M (the
@@ -9,7 +9,9 @@ For each system, on its study split (the first of training.study.TEST_SPLITS):
 - teacher-forced on the references: the mean gate value g and the size of GRET's output term
   relative to the decoder state it is added to, ||g * s^M|| / ||r||, per target token;
 - how sentence-specific s^M is: the spread of s^M across sentences relative to its mean's norm.
-The JSON goes to docs/results/gret-probe.json; `python -m training.study report` renders it."""
+The verdict: a model uses its sentence's global state when the mean replacement costs at least
+USES_MARGIN with p < 0.05. The JSON goes to docs/results/NAME.json (NAME starts with gret-probe);
+`python -m training.study report` renders every such file."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +29,9 @@ from .checkpoint import load_checkpoint
 from .data import BOS, PAD, encode_source, load_examples, pad, source_batches
 from .decode import corpus_translate
 from .metrics import bleu, paired_bootstrap, rouge
-from .study import PROBE_PATH, RESULTS_DIR, TEST_SPLITS, git_commit
+from .study import PROBE_PREFIX, RESULTS_DIR, TEST_SPLITS, git_commit
+
+USES_MARGIN = 0.5  # BLEU / ROUGE-1 points the mean replacement must cost (issue 18's bar)
 
 
 @contextlib.contextmanager
@@ -105,9 +109,12 @@ def probe(path: Path, beam: int, samples: int) -> dict:
         # p: the share of resamples in which the model with its own s^M does not beat the ablation
         ablations[name] = {metric: score(hyps), "vs_trained": paired_bootstrap(hyps, trained, refs, metric,
                                                                                  samples=samples)}
-    return {"name": path.name, "dataset": data.dataset, "direction": f"{data.src_lang}-{data.tgt_lang}",
-            "split": split, "metric": metric, "modules": [m for m in ("capsule", "aggregate", "gate")
-                                                          if getattr(ckpt.model, m)],
+    mean_cost = ablations["mean"]["vs_trained"]
+    uses = mean_cost["delta"] >= USES_MARGIN and mean_cost["p_value"] < 0.05
+    return {"name": path.name, "dataset": data.dataset, "uses_global_state": uses, "direction": f"{data.src_lang}-{data.tgt_lang}",
+            "split": split, "metric": metric,
+            "modules": [m for m in ("capsule", "aggregate", "gate", "global_norm", "routing_scale")
+                        if getattr(ckpt.model, m)] + (["bow"] if ckpt.training.get("args", {}).get("global_bow") else []),
             "trained": {metric: score(trained)}, "ablations": ablations,
             "global_state_spread": round(spread, 4),
             "gate": gate_statistics(model, src, [[BOS] + sp.encode(e.target)[: data.max_tgt_len - 2]
@@ -120,14 +127,18 @@ def main(argv=None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--name", default=PROBE_PREFIX, help=f"the JSON's name in docs/results (starts with {PROBE_PREFIX})")
     args = p.parse_args(argv)
+    if not args.name.startswith(PROBE_PREFIX):
+        p.error(f"--name must start with {PROBE_PREFIX}")
     torch.set_num_threads(args.threads)
     payload = {"command": "python -m training.gret_probe " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
                "beam": args.beam, "threads": args.threads, "commit": git_commit(),
                "systems": [probe(path, args.beam, args.samples) for path in args.systems]}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    PROBE_PATH.write_text(json.dumps(payload, indent=2) + "\n")
-    print(PROBE_PATH)
+    path = RESULTS_DIR / f"{args.name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(path)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from .metrics import bleu, chrf, paired_bootstrap, rouge
 
 RESULTS_DIR = PROJECT_ROOT / "docs" / "results"
 TARGET_DELTA = 1.0  # the seed papers' claim to check: at least +1 BLEU/ROUGE over the control
-PROBE_PATH = RESULTS_DIR / "gret-probe.json"  # written by training.gret_probe
+PROBE_PREFIX = "gret-probe"  # training.gret_probe writes docs/results/gret-probe*.json
 TEST_SPLITS = {"multi30k": ("test_2016_flickr", "test_2017_flickr"), "gigaword": ("valid",), "aeslc": ("dev",)}
 
 
@@ -37,7 +37,8 @@ def dataset_of(path: Path) -> str:
 
 
 def describe(cfg) -> dict:
-    return {"capsule": cfg.capsule, "aggregate": cfg.aggregate, "gate": cfg.gate, "multiview": cfg.multiview,
+    return {"capsule": cfg.capsule, "aggregate": cfg.aggregate, "gate": cfg.gate, "global_norm": cfg.global_norm,
+            "routing_scale": cfg.routing_scale, "multiview": cfg.multiview,
             "pe_k": cfg.pe_k, "pos_tags": cfg.pos_tags, "encoder": cfg.encoder,
             "graph": f"{cfg.graph_fusion}{'+half' if cfg.graph_half_dim else ''}" if cfg.encoder == "graph" else None}
 
@@ -236,8 +237,8 @@ def gret_probe_lines(payload: dict) -> list[str]:
              f"Beam {payload['beam']}, {payload['threads']} threads, commit {payload['commit']}. "
              f"Command: `{payload['command']}`", "",
              "| system | task | as trained | s^M = mean: score (Δ, p) | s^M = 0: score (Δ, p) | mean gate | "
-             "output term, mean / median | spread of s^M |",
-             "|---|---|---|---|---|---|---|---|"]
+             "output term, mean / median | spread of s^M | uses s^M |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in payload["systems"]:
         m, gate = s["metric"], s["gate"]
         ablated = [f"{a[m]:.2f} ({-a['vs_trained']['delta']:+.2f}, {a['vs_trained']['p_value']:.3f})"
@@ -245,7 +246,7 @@ def gret_probe_lines(payload: dict) -> list[str]:
         lines.append(f"| `{s['name']}` ({' + '.join(s['modules'])}) | {s['dataset']} {s['direction']}, {s['split']} "
                      f"| {m} {s['trained'][m]:.2f} | {ablated[0]} | {ablated[1]} | {gate['gate_mean']:.3f} | "
                      f"{gate['output_term_ratio_mean']:.3f} / {gate['output_term_ratio_median']:.3f} | "
-                     f"{s['global_state_spread']:.3f} |")
+                     f"{s['global_state_spread']:.3f} | {uses_text(s)} |")
     mean = [(abs(s["ablations"]["mean"]["vs_trained"]["delta"]), s["ablations"]["mean"]["vs_trained"]["p_value"])
             for s in payload["systems"]]
     zero = max(payload["systems"], key=lambda s: s["ablations"]["zero"]["vs_trained"]["delta"])
@@ -253,6 +254,12 @@ def gret_probe_lines(payload: dict) -> list[str]:
                         f"{max(d for d, _ in mean):.2f} in any system (smallest p {min(p for _, p in mean):.3f}); "
                         f"setting s^M to zero costs up to {zero['ablations']['zero']['vs_trained']['delta']:.2f} "
                         f"(`{zero['name']}`).", ""]
+
+
+def uses_text(system: dict) -> str:
+    """The probe's verdict; files written before the verdict existed have none."""
+    uses = system.get("uses_global_state")
+    return "—" if uses is None else ("**yes**" if uses else "no")
 
 
 def report() -> Path:
@@ -274,8 +281,8 @@ def report() -> Path:
     for payload in payloads:
         lines += render(payload)
     lines += gret_account(payloads)
-    if PROBE_PATH.exists():
-        lines += gret_probe_lines(json.loads(PROBE_PATH.read_text()))
+    for path in sorted(RESULTS_DIR.glob(f"{PROBE_PREFIX}*.json")):
+        lines += gret_probe_lines(json.loads(path.read_text()))
     out = PROJECT_ROOT / "docs" / "RESULTS.md"
     out.write_text("\n".join(lines))
     return out
