@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import ctranslate2
-import numpy as np
 
+from training.beam import output_limit
 from training.config import ModelConfig
 
 from .ct2_export import VOCABULARY
@@ -37,12 +37,13 @@ from .manifest import read_manifest
 
 
 def max_lengths(cfg: ModelConfig, src_lengths: list[int], a: float, b: int, absolute: int | None = None) -> list[int]:
-    """Output limit per sentence (EOS counted), as training.search computes it: int(a * src_len + b)
-    in float32, at most max_positions - 1 (the position table's size); or `absolute` for all."""
+    """Output limit per sentence (EOS counted), training.beam.output_limit as training.search uses
+    it: a * src_len + b, at most max_positions - 1 (the position table's size); or `absolute`
+    (at most the same) for all."""
     cap = cfg.max_positions - 1
     if absolute is not None:
         return [min(absolute, cap)] * len(src_lengths)
-    return [min(int(np.float32(n) * np.float32(a) + np.float32(b)), cap) for n in src_lengths]
+    return [output_limit(n, a, b, cap) for n in src_lengths]
 
 
 class Translation(NamedTuple):

@@ -2,15 +2,16 @@
 
 CTranslate2 runs its own beam search over whole batches, so texts cannot join a batch mid-way:
 the loop takes the waiting texts that fit the budget, makes one CTranslate2 call per group of
-texts with the same options, and answers them. Everything else (queue bound, cancellation,
-deadlines, draining, metrics) is the stepping engine's."""
+texts with the same options and output limit, and answers them. Everything else (queue bound,
+cancellation, deadlines, draining, metrics) is the stepping engine's."""
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 
+from training.beam import Hypothesis
+
 from .engine.engine import Engine
-from .engine.sequence import Hypothesis
 
 
 class Ct2Engine(Engine):
@@ -24,12 +25,12 @@ class Ct2Engine(Engine):
         start = time.monotonic()
         for s in seqs:
             s.admitted = s.encoded = start
-        groups = defaultdict(list)
+        groups = defaultdict(list)  # CT2 takes one length limit per call
         for s in seqs:
-            groups[s.options].append(s)
+            groups[s.options, s.max_len].append(s)
         try:
-            for options, members in groups.items():
-                self._translate(options, members)
+            for (options, limit), members in groups.items():
+                self._translate(options, limit, members)
         except Exception as e:  # a backend failure fails these texts, never the server
             self._fail_all(seqs, "failed", f"decoding failed: {type(e).__name__}: {e}")
             return
@@ -38,10 +39,11 @@ class Ct2Engine(Engine):
         for s in seqs:
             self._answer(s)
 
-    def _translate(self, options, seqs) -> None:
+    def _translate(self, options, limit, seqs) -> None:
+        """One CT2 call; the texts' own output limit (Sequence.max_len, as the stepping engine's)
+        is passed as CT2's absolute limit, so both engines stop at the same length."""
         results = self.backend.translate(
-            [s.src for s in seqs], beam=options.beam, length_penalty=options.length_penalty,
-            max_len_a=options.max_len_a, max_len_b=options.max_len_b, max_length=options.max_length or None,
+            [s.src for s in seqs], beam=options.beam, length_penalty=options.length_penalty, max_length=limit,
             min_length=options.min_length, n_best=options.n_best, no_repeat_ngram_size=options.no_repeat_ngram)
         for s, n_best in zip(seqs, results):
             for t in n_best:

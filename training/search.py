@@ -1,18 +1,11 @@
-"""Greedy and batched beam search over Seq2Seq.encode / decode_step (PyTorch reference)."""
+"""Greedy and batched beam search over Seq2Seq.encode / decode_step (PyTorch reference); the
+search rule and the output-length limit are training.beam's, shared with the server."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
+from .beam import NEG_INF, Hypothesis, candidates, output_limit, select
 from .model import Seq2Seq
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # without BOS/EOS
-    score: float  # length-normalised log-probability
-    log_prob: float
 
 
 @torch.no_grad()
@@ -43,9 +36,9 @@ def greedy(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None = No
     return out
 
 
-def _max_lengths(src, pad_id, a, b, limit):
-    src_len = src.ne(pad_id).sum(1)
-    return (src_len.float() * a + b).long().clamp(max=limit - 1)
+def _max_lengths(src, pad_id, a, b, max_positions) -> torch.Tensor:
+    """Each sentence's output limit: at most max_positions - 1 (the position table's size)."""
+    return torch.tensor([output_limit(n, a, b, max_positions - 1) for n in src.ne(pad_id).sum(1).tolist()])
 
 
 @torch.no_grad()
@@ -64,47 +57,33 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     alive = torch.arange(n_sent)  # sentence ids still searching
     # Row b*beam + k is beam k of alive sentence b. Only beam 0 is live at step 0.
-    scores = torch.full((n_sent, beam), float("-inf"))
+    scores = torch.full((n_sent, beam), NEG_INF)
     scores[:, 0] = 0.0
+    held = torch.zeros(n_sent, dtype=torch.long)  # finished hypotheses per alive sentence
     tokens = torch.full((n_sent * beam,), cfg.bos_id, dtype=torch.long)
     history = torch.empty((n_sent * beam, 0), dtype=torch.long)
     cache = None
     for step in range(int(max_len.max())):
         log_probs, cache = model.decode_step(tokens, step, enc, cache, beam)
-        vocab = log_probs.shape[-1]
-        cand = (scores[:, :, None] + log_probs.view(-1, beam, vocab)).view(-1, beam * vocab)
-        top_scores, top_ids = cand.topk(2 * beam, dim=1)  # enough to refill beam after EOS picks
-        origin, token = (top_ids // vocab).tolist(), (top_ids % vocab).tolist()
-        top_scores = top_scores.tolist()
-        length = step + 1
-        last_step = (length >= max_len[alive]).tolist()
-        new_scores = torch.full((len(alive), beam), float("-inf"))
-        new_origin = torch.zeros((len(alive), beam), dtype=torch.long)
-        new_token = torch.full((len(alive), beam), cfg.eos_id, dtype=torch.long)
-        still = []
-        for b, sent in enumerate(alive.tolist()):
-            filled = 0
-            for j in range(2 * beam):
-                s, o, t = top_scores[b][j], origin[b][j], token[b][j]
-                if s == float("-inf"):
-                    break
-                if t == cfg.eos_id or last_step[b]:
-                    if j < beam:  # only candidates that rank inside the beam may finish
-                        prefix = history[b * beam + o].tolist() + ([] if t == cfg.eos_id else [t])
-                        norm = s / (length ** length_penalty)
-                        finished[sent].append(Hypothesis(prefix, norm, s))
-                    continue
-                if filled < beam:
-                    new_scores[b, filled], new_origin[b, filled], new_token[b, filled] = s, o, t
-                    filled += 1
-            if len(finished[sent]) < beam and not last_step[b] and filled > 0:
-                still.append(b)
-        if not still:
+        n = len(alive)
+        beams = torch.full((n,), beam)
+        top = log_probs.topk(min(2 * beam, log_probs.shape[-1]), dim=1)
+        cand = candidates(scores.flatten(), *top, beams, 2 * beam)
+        pick = select(cand.scores, cand.tokens == cfg.eos_id, step + 1 >= max_len[alive], beams, held)
+        ends = pick.finishing
+        for b, row, t, s in zip(ends.nonzero()[:, 0].tolist(), cand.rows[ends].tolist(), cand.tokens[ends].tolist(),
+                                cand.scores[ends].tolist()):
+            finished[int(alive[b])].append(Hypothesis.ending(history[row].tolist(), t, s, length_penalty, cfg.eos_id))
+        keep = (~pick.done).nonzero()[:, 0]
+        if not len(keep):
             break
-        keep = torch.tensor(still)
-        rows = (keep[:, None] * beam + new_origin[keep]).flatten()  # source rows of the kept beams
-        alive, scores = alive[keep], new_scores[keep]
-        tokens = new_token[keep].flatten()
+        # each sentence's kept candidates, in rank order, fill its beam; the rest stay dead (-inf)
+        take = (~pick.kept).to(torch.uint8).argsort(dim=1, stable=True)[keep, :beam]
+        filled = pick.kept[keep].gather(1, take)
+        rows = cand.rows[keep].gather(1, take).masked_fill(~filled, 0).flatten()
+        tokens = cand.tokens[keep].gather(1, take).masked_fill(~filled, cfg.eos_id).flatten()
+        scores = cand.scores[keep].gather(1, take).masked_fill(~filled, NEG_INF)
+        alive, held = alive[keep], held[keep] + pick.finishing[keep].sum(1)
         history = torch.cat([history.index_select(0, rows), tokens[:, None]], 1)
         cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
         if len(keep) < enc.src_pad.shape[0]:

@@ -4,7 +4,10 @@ Search state, in row order (rows of a sequence are contiguous; sequences in admi
   enc       EncoderState with one entry per sequence (never tiled per beam)
   row_seq   (R,) which sequence (index into `seqs`, and into enc) a row belongs to
   tokens    (R,) each row's last token;  positions (R,) its next target position = keys cached
-  scores    (R,) cumulative log-probability;  history: each row's tokens so far
+  scores    (R,) cumulative log-probability;  history (R, columns): row r's tokens so far in
+            its first positions[r] columns
+  counts, beams, limits, held  (S,) per sequence: its rows, beam size, output limit (EOS
+            counted) and finished hypotheses so far
 The self-attention cache lives in slots that do not move when sequences join or leave:
   kv        (2 x layers, slots, H, width, d_h): layer i's keys at 2i, its values at 2i + 1; row r
             keeps its t-th key in column t of slot `slot[r]`; columns >= positions[r] are masked
@@ -16,23 +19,25 @@ are refilled first, or closed up by moving the top rows down once they are many.
 grows (slots, and columns in steps of COLUMNS) as needed, gives columns back when the longest
 row leaves, and is kept when the batch empties.
 
-The search rules are training.search.beam_search's, per sequence: candidates are the top
+The search rule is training.beam's, as in training.search.beam_search: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
 length limit) ranked inside the beam finishes a hypothesis, the best non-finishing candidates
 refill the beam; a sequence is done once it holds `beam` finished hypotheses, reaches its limit,
-or has no candidate left. At its first step a sequence has one row (BOS), not `beam` copies.
+or has no candidate left. It runs as tensor operations over all rows of all sequences at once;
+Python touches only the hypotheses that finish and the sequences that end. At its first step a
+sequence has one row (BOS), not `beam` copies.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.encoder_cache import stack_states
+from training.beam import NEG_INF, Hypothesis, candidates, select
 from training.model import EncoderState
 
-from .sequence import Hypothesis, Sequence
+from .sequence import Sequence
 from .topk import row_topk
 
-NEG_INF = float("-inf")
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
 
 
@@ -40,19 +45,20 @@ class Batch:
     def __init__(self, cfg, n_heads: int, d_head: int, device: torch.device):
         self.cfg, self.n_heads, self.d_head, self.device = cfg, n_heads, d_head, device
         self.seqs: list[Sequence] = []
-        self.counts: list[int] = []  # rows per sequence
+        self.counts, self.beams, self.limits, self.held = (torch.empty(0, dtype=torch.long) for _ in range(4))
+        self.constrained = 0  # sequences with min_length or no_repeat_ngram: _constrain's work
         self.enc: EncoderState | None = None
         self.row_seq = torch.empty(0, dtype=torch.long)
         self.tokens = torch.empty(0, dtype=torch.long)
         self.positions = torch.empty(0, dtype=torch.long)
         self.scores = torch.empty(0, dtype=torch.float32)
-        self.history: list[list[int]] = []
+        self.history = torch.empty(0, COLUMNS, dtype=torch.long)
         self.slot = torch.empty(0, dtype=torch.long)
         self.kv: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
-        return len(self.history)
+        return len(self.tokens)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -70,9 +76,13 @@ class Batch:
         self.tokens = torch.cat([self.tokens, torch.full((n,), self.cfg.bos_id, dtype=torch.long)])
         self.positions = torch.cat([self.positions, torch.zeros(n, dtype=torch.long)])
         self.scores = torch.cat([self.scores, torch.zeros(n)])
-        self.history += [[] for _ in range(n)]
+        self.history = torch.cat([self.history, self.history.new_zeros(n, self.history.shape[1])])
         self.seqs += seqs
-        self.counts += [1] * n
+        self.counts = torch.cat([self.counts, torch.ones(n, dtype=torch.long)])
+        self.beams = torch.cat([self.beams, torch.tensor([s.options.beam for s in seqs])])
+        self.limits = torch.cat([self.limits, torch.tensor([s.max_len for s in seqs])])
+        self.held = torch.cat([self.held, torch.zeros(n, dtype=torch.long)])
+        self.constrained += sum(map(constrained, seqs))
         self.enc = enc if self.enc is None else stack_states([self.enc, enc])
 
     # ---- one step --------------------------------------------------------------------------
@@ -100,116 +110,88 @@ class Batch:
         d_h), per slot as step_inputs ordered them; returns the sequences that finished (already
         removed from the batch; their on_done is the caller's to trigger)."""
         log_probs = self._constrain(log_probs.float())
-        vocab = log_probs.shape[1]
-        beam_max = max(s.options.beam for s in self.seqs)
-        # Two-stage top-k: the best 2*beam tokens of each row, then the best 2*beam of each
-        # sequence among its rows' candidates (the same set as one top-k over rows x vocab).
-        # A row's score shifts all its tokens alike, so it is added after the first stage.
-        row_scores, row_tokens = row_topk()(log_probs, min(2 * beam_max, vocab))
-        row_scores, row_tokens = row_scores.index_select(0, self.slot), row_tokens.index_select(0, self.slot)
-        row_scores += self.scores[:, None]
-        per_row = row_scores.shape[1]
-        counts = torch.tensor(self.counts)
-        starts = torch.cumsum(counts, 0) - counts
-        slots = torch.arange(max(self.counts))
-        index = torch.where(slots < counts[:, None], starts[:, None] + slots, self.rows)  # R: the -inf row
-        starts = starts.tolist()
-        padded = torch.cat([row_scores, row_scores.new_full((1, per_row), NEG_INF)])[index].view(len(self.seqs), -1)
-        k = min(2 * beam_max, padded.shape[1])
-        top_scores, top_pos = padded.topk(k, dim=1)
-        top_scores, top_pos = top_scores.tolist(), top_pos.tolist()
-        row_tokens = row_tokens.tolist()
-
-        eos = self.cfg.eos_id
-        keep_rows, new_tokens, new_scores, new_counts, alive, done = [], [], [], [], [], []
-        for i, seq in enumerate(self.seqs):
-            beam, length = seq.options.beam, seq.step + 1
-            last = length >= seq.max_len
-            filled = 0
-            for j in range(min(2 * beam, k)):
-                s = top_scores[i][j]
-                if s == NEG_INF:
-                    break
-                row = starts[i] + top_pos[i][j] // per_row
-                t = row_tokens[row][top_pos[i][j] % per_row]
-                if t == eos or last:
-                    if j < beam:  # only candidates that rank inside the beam may finish
-                        tokens = self.history[row] + ([] if t == eos else [t])
-                        seq.finished.append(Hypothesis(tokens, s / length ** seq.options.length_penalty, s))
-                    continue
-                if filled < beam:
-                    keep_rows.append(row)
-                    new_tokens.append(t)
-                    new_scores.append(s)
-                    filled += 1
-            seq.step = length
-            if len(seq.finished) >= beam or last or filled == 0:
-                del keep_rows[len(keep_rows) - filled:], new_tokens[len(new_tokens) - filled:]
-                del new_scores[len(new_scores) - filled:]
-                done.append(seq)
-            else:
-                alive.append(i)
-                new_counts.append(filled)
-        self._reorder(keep_rows, new_tokens, new_scores, new_counts, alive, new_kv)
-        return done
+        k = min(2 * int(self.beams.max()), log_probs.shape[1])
+        top_log_probs, top_tokens = row_topk()(log_probs, k)
+        cand = candidates(self.scores, top_log_probs.index_select(0, self.slot),
+                          top_tokens.index_select(0, self.slot), self.counts, k)
+        length = self.positions.index_select(0, self.counts.cumsum(0) - self.counts) + 1  # of each sequence
+        pick = select(cand.scores, cand.tokens == self.cfg.eos_id, length >= self.limits, self.beams, self.held)
+        self.held += pick.finishing.sum(1)
+        self._finish_hypotheses(cand, pick.finishing)
+        done = pick.done.nonzero()[:, 0].tolist()
+        ended = [self.seqs[i] for i in done]
+        for seq, steps in zip(ended, length[done].tolist()):
+            seq.step = steps
+        alive = (~pick.done).nonzero()[:, 0]
+        kept = pick.kept.index_select(0, alive)
+        self._reorder(cand.rows[alive][kept], cand.tokens[alive][kept], cand.scores[alive][kept],
+                      kept.sum(1), alive, ended, new_kv)
+        return ended
 
     def remove(self, dropped: set[int]) -> None:
         """Take sequences (by index) out of the batch without a step: cancelled or expired."""
-        keep = [i for i in range(len(self.seqs)) if i not in dropped]
-        rows, r = [], 0
-        for i, c in enumerate(self.counts):
-            if i not in dropped:
-                rows += range(r, r + c)
-            r += c
-        counts = [self.counts[i] for i in keep]
-        self._reorder(rows, self.tokens[rows].tolist(), self.scores[rows].tolist(), counts, keep, None)
+        keep = torch.ones(len(self.seqs), dtype=torch.bool)
+        keep[list(dropped)] = False
+        leaving = [self.seqs[i] for i in sorted(dropped)]
+        for seq, steps in zip(leaving, self.positions[self.counts.cumsum(0) - self.counts][~keep].tolist()):
+            seq.step = steps
+        rows = keep.index_select(0, self.row_seq).nonzero()[:, 0]
+        self._reorder(rows, self.tokens[rows], self.scores[rows], self.counts[keep], keep.nonzero()[:, 0], leaving,
+                      None)
 
     # ---- internals -------------------------------------------------------------------------
+    def _finish_hypotheses(self, cand, finishing: torch.Tensor) -> None:
+        """Add the hypotheses that candidates `finishing` (S, K) end to their sequences."""
+        eos = self.cfg.eos_id
+        for i, row, token, score in zip(finishing.nonzero()[:, 0].tolist(), cand.rows[finishing].tolist(),
+                                        cand.tokens[finishing].tolist(), cand.scores[finishing].tolist()):
+            seq = self.seqs[i]
+            prefix = self.history[row, :self.positions[row]].tolist()
+            seq.finished.append(Hypothesis.ending(prefix, token, score, seq.options.length_penalty, eos))
+
     def _constrain(self, log_probs: torch.Tensor) -> torch.Tensor:
         """min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs
-        are per slot)."""
-        constrained = [i for i, s in enumerate(self.seqs) if s.step < s.options.min_length or s.options.no_repeat_ngram]
-        if not constrained:  # the common case: nothing to do per row
+        are per slot); rare options, so plain Python over the sequences that have them."""
+        if not self.constrained:
             return log_probs
-        starts = [0]
-        for c in self.counts:
-            starts.append(starts[-1] + c)
-        slot = self.slot.tolist()
-        for i in constrained:
-            seq, rows = self.seqs[i], range(starts[i], starts[i + 1])
-            if seq.step < seq.options.min_length:
-                log_probs[[slot[r] for r in rows], self.cfg.eos_id] = NEG_INF
+        starts = (self.counts.cumsum(0) - self.counts).tolist()
+        for i, seq in enumerate(self.seqs):
+            if not constrained(seq):
+                continue
+            rows = range(starts[i], starts[i] + int(self.counts[i]))
+            slots, step = self.slot[list(rows)], int(self.positions[starts[i]])
+            if step < seq.options.min_length:
+                log_probs[slots, self.cfg.eos_id] = NEG_INF
             n = seq.options.no_repeat_ngram
-            for r in rows if n else ():
-                banned = banned_tokens(self.history[r], n) if len(self.history[r]) >= n - 1 else []
+            for r, slot in zip(rows, slots.tolist()) if n and step >= n - 1 else ():
+                banned = banned_tokens(self.history[r, :step].tolist(), n)
                 if banned:
-                    log_probs[slot[r], banned] = NEG_INF
+                    log_probs[slot, banned] = NEG_INF
         return log_probs
 
-    def _reorder(self, rows: list[int], tokens: list[int], scores: list[float], counts: list[int],
-                 alive: list[int], new_kv: torch.Tensor | None) -> None:
-        """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`; with
-        new_kv (after a step) each is its parent's child, one token longer."""
-        index = torch.tensor(rows, dtype=torch.long)
-        parents = self.slot.index_select(0, index)
-        positions = self.positions.index_select(0, index)
+    def _reorder(self, rows: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor,
+                 alive: torch.Tensor, leaving: list[Sequence], new_kv: torch.Tensor | None) -> None:
+        """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
+        are gone; with new_kv (after a step) each row is its parent's child, one token longer."""
+        parents = self.slot.index_select(0, rows)
+        positions = self.positions.index_select(0, rows)
+        history = self.history.index_select(0, rows)
         if new_kv is not None:
             self.slot = self._place_children(parents, positions, new_kv)
+            history = fit_columns(history, int(positions.max()) + 1 if len(rows) else 0)
+            history[torch.arange(len(rows)), positions] = tokens
             positions = positions + 1
-            self.history = [self.history[r] + [t] for r, t in zip(rows, tokens)]
         else:
             self.slot = parents
-            self.history = [self.history[r] for r in rows]
-        self.positions = positions
-        self.tokens = torch.tensor(tokens, dtype=torch.long)
-        self.scores = torch.tensor(scores, dtype=torch.float32)
-        self.row_seq = torch.repeat_interleave(torch.arange(len(alive)), torch.tensor(counts, dtype=torch.long))
+        self.history, self.positions, self.tokens, self.scores = history, positions, tokens, scores
+        self.row_seq = torch.repeat_interleave(torch.arange(len(alive)), counts)
         self.counts = counts
-        if len(alive) < len(self.seqs):
-            self.seqs = [self.seqs[i] for i in alive]
-            self.enc = trim_source(self.enc.select(torch.tensor(alive, dtype=torch.long))) if alive else None
-        if not alive:  # the storage stays for the next sequences
-            self.enc = None
+        if leaving:
+            self.seqs = [self.seqs[i] for i in alive.tolist()]
+            self.beams, self.limits, self.held = (t.index_select(0, alive) for t in (self.beams, self.limits, self.held))
+            self.constrained -= sum(map(constrained, leaving))
+            self.enc = trim_source(self.enc.select(alive)) if len(alive) else None
+        if not len(alive):  # the storage stays for the next sequences
             return
         self._close_up()
         self._fit_width()
@@ -286,6 +268,20 @@ class Batch:
         free = self._free_slots(len(high), self.slot)
         self._copy_slots(self.slot.index_select(0, high), free, int(self.positions.index_select(0, high).max()))
         self.slot[high] = free
+
+
+def constrained(seq: Sequence) -> bool:
+    """Whether its options need _constrain."""
+    return bool(seq.options.min_length or seq.options.no_repeat_ngram)
+
+
+def fit_columns(history: torch.Tensor, columns: int) -> torch.Tensor:
+    """`history` with room for at least `columns` columns, in whole steps of COLUMNS (the rest are
+    dropped: no row has tokens there)."""
+    width = whole_steps(max(columns, 1))
+    if width <= history.shape[1]:
+        return history[:, :width]
+    return torch.cat([history, history.new_zeros(len(history), width - history.shape[1])], 1)
 
 
 def whole_steps(columns: int) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from training.beam import output_limit
+
 
 class OptionError(ValueError):
     pass
@@ -57,10 +59,8 @@ class DecodingOptions:
         return self
 
     def output_limit(self, source_tokens: int, model_limit: int, limits: Limits) -> int:
-        """Most tokens the search may generate for a source of this many pieces (EOS counted, as
-        in training.search: max(1, min(a * n + b, max_length, model limit)))."""
-        n = int(source_tokens * self.max_len_a + self.max_len_b)
-        for cap in (self.max_length, model_limit, limits.max_output_tokens):
-            if cap:
-                n = min(n, cap)
-        return max(1, n)
+        """Most tokens the search may generate for a source of this many pieces (EOS counted):
+        training.beam.output_limit's a * n + b, at most max_length (if set), the model's limit
+        and the server's."""
+        cap = min(c for c in (self.max_length, model_limit, limits.max_output_tokens) if c)
+        return output_limit(source_tokens, self.max_len_a, self.max_len_b, cap)

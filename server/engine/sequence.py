@@ -10,19 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from training.beam import Hypothesis
+
 from .options import DecodingOptions
 
 _ids = itertools.count()
 
 OK, CANCELLED, DEADLINE, UNAVAILABLE, FAILED = "ok", "cancelled", "deadline_exceeded", "unavailable", "failed"
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # without BOS/EOS
-    score: float  # log P / length ** length_penalty (length counts EOS)
-    log_prob: float
-
 
 @dataclass(eq=False)
 class Sequence:
@@ -34,7 +28,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() value
     id: int = field(default_factory=lambda: next(_ids))
     # search state
-    step: int = 0  # tokens generated so far by every live beam
+    step: int = 0  # decoding steps it took: set when it leaves the batch
     finished: list[Hypothesis] = field(default_factory=list)
     cancelled: bool = False  # set from another thread; the engine drops the rows at its next step
     # outcome

@@ -1,0 +1,93 @@
+"""The beam-search rule, written once for every search in the project: the offline reference
+(training.search), the server's engine (server.engine.batch) and the CTranslate2 path (its
+output-length limit and its hypotheses).
+
+One step of a sequence: its candidates are the 2 x beam best of (row score + log-probability)
+over its rows' tokens, best first, ties to the lower row, then the lower token. An EOS, or any
+token at the sequence's last step, finishes a hypothesis if its candidate ranks inside the beam
+(and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is done once it holds `beam` finished hypotheses, reaches its length limit, or has no
+candidate left. Both steps work on all sequences at once, each with its own beam size and rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without BOS/EOS
+    score: float  # log P / length ** length_penalty (length counts EOS)
+    log_prob: float
+
+    @classmethod
+    def ending(cls, prefix: list[int], token: int, log_prob: float, length_penalty: float,
+               eos: int) -> "Hypothesis":
+        """The hypothesis that `token` ends after `prefix`: the length counts the last token,
+        EOS or not, but EOS is not part of the output."""
+        tokens = prefix if token == eos else prefix + [token]
+        return cls(tokens, log_prob / (len(prefix) + 1) ** length_penalty, log_prob)
+
+
+def output_limit(source_tokens: int, a: float, b: int, cap: int) -> int:
+    """Most tokens a search may generate (EOS counted) for a source of `source_tokens` pieces:
+    a * n + b rounded down, at least 1, at most `cap`.
+
+    The ratio is taken as the decimal a user writes: the wire type of max_length_ratio is float32,
+    where 1.3 is 1.29999995, so float arithmetic gives 90 * 1.3 + 10 = 126.9999... -> 126 (and
+    float64 gives 127 only because its own error happens to round up; 0.29 * 100 gives 28). We
+    read a as the shortest decimal that is the same float32 and multiply exactly: 127, the
+    number the formula promises."""
+    ratio = Fraction(np.format_float_positional(np.float32(a), unique=True, trim="-"))
+    return max(1, min(int(ratio * source_tokens + b), cap))
+
+
+class Candidates(NamedTuple):
+    scores: torch.Tensor  # (S, K) best first; -inf where a sequence has fewer than K
+    rows: torch.Tensor  # (S, K) the row each one extends
+    tokens: torch.Tensor  # (S, K) the token it appends
+
+
+def candidates(row_scores: torch.Tensor, top_log_probs: torch.Tensor, top_tokens: torch.Tensor,
+               counts: torch.Tensor, k: int) -> Candidates:
+    """Each sequence's k best candidates. Sequence i owns `counts[i]` consecutive rows (R in all);
+    top_log_probs / top_tokens (R, m >= k) are each row's own best tokens, best first and ties to
+    the lower token: a row's score shifts all its tokens alike, so a sequence's k best are among
+    its rows' k best, and one top-k over them (rows side by side) is one over rows x vocabulary."""
+    per_row = top_log_probs.shape[1]
+    totals = top_log_probs + row_scores[:, None]
+    starts = counts.cumsum(0) - counts
+    offsets = torch.arange(int(counts.max()))
+    index = torch.where(offsets < counts[:, None], starts[:, None] + offsets, len(row_scores))  # R: padding
+    padded = torch.cat([totals, totals.new_full((1, per_row), NEG_INF)])[index].view(len(counts), -1)
+    best = padded.sort(dim=1, descending=True, stable=True)  # stable: ties to the lower row, then token
+    scores, at = best.values[:, :k], best.indices[:, :k]
+    tokens = torch.cat([top_tokens, top_tokens.new_zeros(1, per_row)])[index].view(len(counts), -1)
+    return Candidates(scores, index.gather(1, at // per_row), tokens.gather(1, at))
+
+
+class Selection(NamedTuple):
+    finishing: torch.Tensor  # (S, K) candidates that finish a hypothesis
+    kept: torch.Tensor  # (S, K) candidates that are the next step's beams, at most `beam` each
+    done: torch.Tensor  # (S,) sequences whose search ends with this step
+
+
+def select(scores: torch.Tensor, ends: torch.Tensor, last: torch.Tensor, beams: torch.Tensor,
+           finished: torch.Tensor) -> Selection:
+    """One step's decisions for all sequences: scores (S, K) their candidates, best first; ends
+    (S, K) where the token is EOS; last (S,) this is the sequence's last step; beams (S,) its beam
+    size; finished (S,) the hypotheses it held before this step."""
+    rank = torch.arange(scores.shape[1])
+    real = (scores > NEG_INF) & (rank < 2 * beams[:, None])
+    final = real & (ends | last[:, None])
+    finishing = final & (rank < beams[:, None])  # only candidates that rank inside the beam may finish
+    going = real & ~final
+    kept = going & (going.cumsum(1) <= beams[:, None])
+    done = (finished + finishing.sum(1) >= beams) | last | ~kept.any(1)
+    return Selection(finishing, kept, done)
