@@ -74,7 +74,7 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             return handler
         method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[details.method.rsplit("/", 1)[1]]
         parse, message = handler.request_deserializer, f"the request is not a valid {method.input_type.full_name}"
-        refused = self.metrics.requests.labels("", method.name, grpc.StatusCode.INVALID_ARGUMENT.name)
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
 
         def deserialize(raw: bytes):
             try:
@@ -82,20 +82,21 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             except DecodeError as e:
                 return e  # the handler refuses it, with a status code this function cannot set
 
+        async def refuse(error: DecodeError, context) -> None:
+            self.metrics.call_ended("", method.name, invalid.name, 0.0)  # refused before any work
+            await context.abort(invalid, f"{message}: {error}")
+
         if handler.unary_unary:
             async def unary(request, context):
                 if isinstance(request, DecodeError):
-                    refused.inc()
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message}: {request}")
+                    await refuse(request, context)
                 return await handler.unary_unary(request, context)
             return grpc.unary_unary_rpc_method_handler(unary, deserialize, handler.response_serializer)
 
-        async def stream(request, context):
+        async def stream(request, context):  # the service's streams write through context.write
             if isinstance(request, DecodeError):
-                refused.inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message}: {request}")
-            async for response in handler.unary_stream(request, context):
-                yield response
+                await refuse(request, context)
+            await handler.unary_stream(request, context)
         return grpc.unary_stream_rpc_method_handler(stream, deserialize, handler.response_serializer)
 
 

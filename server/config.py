@@ -33,7 +33,7 @@ class ServerConfig:
     batching: str = "continuous"  # continuous | request | none
     max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
-    cache_mb: int = 256  # encoder cache per model
+    cache_mb: int = 256  # encoder caches of all models together, split equally (deploy/k8s sizes the pod with it)
     result_cache: int = 10000  # finished results kept per model, answered again without decoding (0: off)
     build_cache: str = ""  # where checkpoints are exported to ONNX (default ~/.cache/gret-serve)
     verify_build: bool = True  # a fresh export must reproduce the checkpoint's recorded score

@@ -17,7 +17,7 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("gret_serve_requests", "Calls by model, method and gRPC status code",
                                 ["model", "method", "code"], registry=r)
-        self.request_seconds = Histogram("gret_serve_request_seconds", "Call latency, end to end",
+        self.request_seconds = Histogram("gret_serve_request_seconds", "Call latency, end to end, whatever the outcome",
                                          ["model", "method"], buckets=LATENCY, registry=r)
         self.queue_seconds = Histogram("gret_serve_queue_seconds", "Per text: waiting before admission",
                                        ["model"], buckets=LATENCY, registry=r)
@@ -43,6 +43,11 @@ class Metrics:
         self._caches: dict[str, object] = {}
         self._results: dict[str, object] = {}
         r.register(_CacheCollector(self._caches, self._results))
+
+    def call_ended(self, model: str, method: str, code: str, seconds: float) -> None:
+        """Every call of every RPC, whatever its outcome: counted by status, and timed."""
+        self.requests.labels(model, method, code).inc()
+        self.request_seconds.labels(model, method).observe(seconds)
 
     def observer(self, model: str) -> Observer:
         return _ModelObserver(self, model)

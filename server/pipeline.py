@@ -24,7 +24,7 @@ from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
 from .engine.engine import Engine, Observer, Replicas
-from .engine.options import DecodingOptions, Limits
+from .engine.options import DecodingOptions, Limits, OptionError
 from .engine.result_cache import ResultCache
 from .engine.scheduler import Scheduler
 from .engine.sequence import OK, Sequence
@@ -85,7 +85,10 @@ class Pipeline:
                 raise InputError(f"text {i} is {len(pieces)} pieces long; model {e.name} accepts at most {max_pieces}")
             src = pieces[:max_pieces] + [EOS]
             tags = self._tags(text, src) if e.cfg.pos_tags else None
-            limit = options.output_limit(len(src), e.cfg.max_positions - 1, limits)
+            try:
+                limit = options.output_limit(len(src), e.cfg.max_positions - 1, limits)
+            except OptionError as error:
+                raise InputError(f"text {i}: {error}") from None
             seqs.append(Sequence(src, options, limit, on_done, tags=tags, deadline=deadline))
         return seqs
 

@@ -30,12 +30,14 @@ class Registry:
         build_cache = Path(config.build_cache) if config.build_cache else None
         verify = partial(verify_build, threads=config.threads) if config.verify_build else None
         pipelines, failures = [], []
+        # One budget bounds the whole process's encoder caches: each model gets its share.
+        cache_bytes = (config.cache_mb << 20) // max(1, len(folders))
         for folder in folders:
             try:
                 entry = load_entry(folder, config.backend, build_cache, verify)
                 pipeline = build_pipeline(
                     entry, config.backend, config.precision, config.threads, config.batching,
-                    config.max_batch_tokens, config.max_queue, config.cache_mb << 20, config.limits(),
+                    config.max_batch_tokens, config.max_queue, cache_bytes, config.limits(),
                     metrics.observer(entry.name) if metrics else None, config.workers, config.result_cache)
             except Exception as e:  # whatever breaks loading (safetensors, ONNX Runtime, ...) is this folder's problem
                 problem = str(e) if isinstance(e, ModelError) else f"{folder}: {type(e).__name__}: {e}"

@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # what a write raises once the client has gone
 
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
@@ -49,6 +51,22 @@ def decoding_options(msg: pb.DecodingOptions) -> DecodingOptions:
     return DecodingOptions(**values, return_scores=msg.return_scores, diagnostics=msg.return_diagnostics)
 
 
+@dataclass
+class Call:
+    """One call in the handler: its metrics labels and start, and its texts once submitted."""
+    model: str  # the metrics label
+    start: float = field(default_factory=time.monotonic)
+    pipeline: Pipeline | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Its unfinished texts leave the engine at the next step (finished ones ignore the mark)."""
+        if self.pipeline is not None:
+            for s in self.seqs:
+                s.cancelled = True
+            self.pipeline.engine.wake()
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, registry: Registry, metrics: Metrics, log_text: bool = False):
         self.registry, self.metrics, self.log_text = registry, metrics, log_text
@@ -62,80 +80,81 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Summarize(self, request, context):
         return await self._unary("Summarize", "summarize", request, context)
 
+    # The streams write with context.write rather than yield from a generator: a client that goes
+    # while a write waits for its flow-control window must reach the handler's own cancel path.
     async def TranslateStream(self, request, context):
-        async for response in self._stream("TranslateStream", "translate", request, context,
-                                           request.source_language, request.target_language):
-            yield response
+        await self._stream("TranslateStream", "translate", request, context,
+                           request.source_language, request.target_language)
 
     async def SummarizeStream(self, request, context):
-        async for response in self._stream("SummarizeStream", "summarize", request, context):
-            yield response
+        await self._stream("SummarizeStream", "summarize", request, context)
 
     async def ListModels(self, request, context):
-        models = []
-        for p in self.registry:
-            e = p.entry
-            models.append(pb.ModelInfo(name=e.name, version=e.version, task=e.task, source_language=e.source_language,
-                                       target_language=e.target_language, architecture=e.architecture,
-                                       backend=p.backend, precision=p.precision, parameters=e.parameters,
-                                       is_default=self.registry.is_default(p)))
-        self.metrics.requests.labels("", "ListModels", "OK").inc()
-        return pb.ListModelsResponse(models=models)
+        async with self._accounted("ListModels", context, Call("")):
+            models = []
+            for p in self.registry:
+                e = p.entry
+                models.append(pb.ModelInfo(name=e.name, version=e.version, task=e.task,
+                                           source_language=e.source_language, target_language=e.target_language,
+                                           architecture=e.architecture, backend=p.backend, precision=p.precision,
+                                           parameters=e.parameters, is_default=self.registry.is_default(p)))
+            return pb.ListModelsResponse(models=models)
 
     # ---- one call -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _accounted(self, method, request, context):
-        """Counts the call by model, method and final status, and turns a CallError into that
-        status. The body sets call["model"] once the model is known."""
-        call = {"model": self._label(request.model), "start": time.monotonic()}
+    async def _accounted(self, method: str, context, call: Call):
+        """However the call ends, its texts are released and it is counted exactly once, with the
+        status the client sees: a CallError becomes that status; a client gone (a cancel or the
+        deadline, raised by grpc as CancelledError, or as a failed write while we waited for its
+        window) becomes CancelledError, which grpc expects of a cancelled handler and logs no
+        traceback for; anything else is the UNKNOWN that grpc answers."""
+        code = grpc.StatusCode.UNKNOWN
         try:
             yield call
+            code = grpc.StatusCode.OK
         except CallError as e:
-            self._count(call["model"], method, e.code, call["start"])
+            code = e.code
             await context.abort(e.code, e.message)
-        except asyncio.CancelledError:  # grpc cancels the handler for both a client's cancel and a deadline
-            # The client's timer fires first and its cancel arrives a moment before our own
-            # deadline (the timeout travels relative): a cancel that close to it is the deadline.
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            self._count(call["model"], method, code, call["start"])
-            raise
-        self._count(call["model"], method, grpc.StatusCode.OK, call["start"])
+        except (asyncio.CancelledError, ExecuteBatchError):
+            code = self._gone(context)
+            raise asyncio.CancelledError from None
+        finally:
+            call.release()
+            self.metrics.call_ended(call.model, method, code.name, time.monotonic() - call.start)
+
+    @staticmethod
+    def _gone(context) -> grpc.StatusCode:
+        """Why a client went: the client's timer fires first and its cancel arrives a moment before
+        our own deadline (the timeout travels relative), so a cancel that close to it is the deadline."""
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
     async def _unary(self, method, task, request, context, source="", target=""):
-        async with self._accounted(method, request, context) as call:
-            pipeline, seqs, done = await self._submit(task, request, context, source, target)
-            call["model"] = pipeline.entry.name
-            try:
-                await asyncio.gather(*done)
-            except asyncio.CancelledError:
-                self._cancel(pipeline, seqs)
-                raise
-            self._raise_failures(seqs)
-            results = [await self._result(pipeline, i, s) for i, s in enumerate(seqs)]
-            return pb.GenerateResponse(model=pipeline.entry.name, model_version=pipeline.entry.version,
+        async with self._accounted(method, context, Call(self._label(request.model))) as call:
+            done = await self._submit(call, task, request, context, source, target)
+            await asyncio.gather(*done)
+            self._raise_failures(call.seqs)
+            results = [await self._result(call.pipeline, i, s) for i, s in enumerate(call.seqs)]
+            return pb.GenerateResponse(model=call.pipeline.entry.name, model_version=call.pipeline.entry.version,
                                        results=results)
 
     async def _stream(self, method, task, request, context, source="", target=""):
-        async with self._accounted(method, request, context) as call:
-            pipeline, seqs, done = await self._submit(task, request, context, source, target)
-            call["model"] = pipeline.entry.name
+        async with self._accounted(method, context, Call(self._label(request.model))) as call:
+            done = await self._submit(call, task, request, context, source, target)
+            entry, seqs = call.pipeline.entry, call.seqs
             index = {id(f): i for i, f in enumerate(done)}
             pending = set(done)
-            try:
-                while pending:
-                    finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for f in sorted(finished, key=lambda f: index[id(f)]):
-                        i = index[id(f)]
-                        self._raise_failures([seqs[i]])
-                        yield pb.GenerateResponse(model=pipeline.entry.name, model_version=pipeline.entry.version,
-                                                  results=[await self._result(pipeline, i, seqs[i])])
-            except (asyncio.CancelledError, CallError):
-                self._cancel(pipeline, seqs)
-                raise
+            while pending:
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for f in sorted(finished, key=lambda f: index[id(f)]):
+                    i = index[id(f)]
+                    self._raise_failures([seqs[i]])
+                    await context.write(pb.GenerateResponse(model=entry.name, model_version=entry.version,
+                                                            results=[await self._result(call.pipeline, i, seqs[i])]))
 
-    async def _submit(self, task, request, context, source, target):
+    async def _submit(self, call: Call, task, request, context, source, target) -> list[asyncio.Future]:
+        """Checks the request and queues its texts (recorded in `call`); one future per text."""
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         try:
@@ -166,6 +185,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         except InputError as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         by_seq.update({s.id: f for s, f in zip(seqs, futures)})
+        call.model, call.pipeline, call.seqs = pipeline.entry.name, pipeline, seqs
         if self.log_text:
             log.debug("model %s: %d texts: %r", pipeline.entry.name, len(texts), texts)
         try:
@@ -174,13 +194,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except Draining as e:
             raise CallError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        return pipeline, seqs, futures
-
-    @staticmethod
-    def _cancel(pipeline: Pipeline, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            s.cancelled = True
-        pipeline.engine.wake()
+        return futures
 
     @staticmethod
     def _raise_failures(seqs: list[Sequence]) -> None:
@@ -206,11 +220,6 @@ class InferenceService(pb_grpc.InferenceServicer):
         """The model label of a call's metrics: a loaded model's name, else "" (a label per string a
         client sends would grow the metrics without bound and publish request data)."""
         return name if name in self.registry.pipelines else ""
-
-    def _count(self, model: str, method: str, code: grpc.StatusCode, start: float) -> None:
-        self.metrics.requests.labels(model, method, code.name).inc()
-        if code == grpc.StatusCode.OK:
-            self.metrics.request_seconds.labels(model, method).observe(time.monotonic() - start)
 
 
 def _resolve(future: asyncio.Future) -> None:

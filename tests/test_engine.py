@@ -254,13 +254,21 @@ def test_a_draining_engine_finishes_its_work_and_refuses_more():
     (DecodingOptions(beam=0), "beam_size=0"),
     (DecodingOptions(beam=2, n_best=3), "n_best=3"),
     (DecodingOptions(max_length=100000), "max_length=100000"),
-    (DecodingOptions(min_length=10, max_length=5), "min_length=10"),
     (DecodingOptions(no_repeat_ngram=-1), "no_repeat_ngram_size=-1"),
     (DecodingOptions(length_penalty=float("nan")), "length_penalty=nan"),
 ])
 def test_out_of_range_options_are_refused_by_name(options, message):
     with pytest.raises(OptionError, match=message):
         options.check(LIMITS)
+
+
+def test_a_min_length_above_a_texts_output_limit_is_refused_naming_both_numbers():
+    # 16 source tokens: 1.5 x 16 + 10 = 34 output tokens at most
+    with pytest.raises(OptionError, match="min_length=35 is above the output limit of 34 tokens"):
+        DecodingOptions(min_length=35).output_limit(16, 255, LIMITS)
+    assert DecodingOptions(min_length=34).output_limit(16, 255, LIMITS) == 34
+    with pytest.raises(OptionError, match="min_length=10 is above the output limit of 5 tokens"):
+        DecodingOptions(min_length=10, max_length=5).output_limit(16, 255, LIMITS)
 
 
 @pytest.mark.parametrize("name", ["gret_full", "multiview_gca"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import operator
 import shutil
 import signal
@@ -30,6 +31,7 @@ from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.__main__ import main as server_main
 from server.client import Client
+from server.engine.options import DecodingOptions
 from server.engine.sequence import CANCELLED, DEADLINE
 from tests.served import RunningServer, ServerProcess, config_for, free_port
 from training.data import load_examples, normalize_input
@@ -90,7 +92,7 @@ def expected(server: RunningServer, method: str, request) -> Expected:
             return Expected(CODE.NOT_FOUND)
         name = fits[0]
     problem = (option_problem(request.options) or diagnostics_problem(models[name], request.options)
-               or text_problem(models[name], task, list(request.texts)))
+               or text_problem(models[name], task, list(request.texts), options_of(request.options)))
     return Expected(CODE.INVALID_ARGUMENT, about=problem) if problem else Expected(CODE.OK, model=name)
 
 
@@ -109,7 +111,6 @@ def option_problem(options: pb.DecodingOptions) -> str:
               ("max_length_ratio", 0 <= o["max_length_ratio"] <= 10),
               ("max_length_offset", o["max_length_offset"] <= 10_000),  # only shapes the limit
               ("max_length", o["max_length"] <= most),
-              ("min_length", o["min_length"] <= most and (not o["max_length"] or o["min_length"] <= o["max_length"])),
               ("no_repeat_ngram_size", o["no_repeat_ngram_size"] <= 8)]
     return next((f"option {name}=" for name, ok in checks if not ok), "")
 
@@ -119,7 +120,20 @@ def diagnostics_problem(entry, options: pb.DecodingOptions) -> str:
     return "diagnostics" if options.return_diagnostics and not (entry.cfg.gret and entry.checkpoint) else ""
 
 
-def text_problem(entry, task: str, texts: list[str]) -> str:
+def source_tokens(entry, text: str) -> int:
+    """What the model reads of the text: its pieces in the model's input style (summaries are
+    truncated to fit), plus EOS."""
+    return min(len(entry.sp.encode(normalize_input(entry.input_style, text))), entry.max_src_len - 1) + 1
+
+
+def output_limit(entry, o: dict, source: int) -> int:
+    limit = int(source * o["max_length_ratio"] + o["max_length_offset"])
+    for cap in (o["max_length"], entry.cfg.max_positions - 1, FUZZ_LIMITS["max_output_tokens"]):
+        limit = min(limit, cap) if cap else limit
+    return max(1, limit)
+
+
+def text_problem(entry, task: str, texts: list[str], o: dict) -> str:
     if not texts:
         return "no texts"
     if len(texts) > FUZZ_LIMITS["max_texts"]:
@@ -131,6 +145,8 @@ def text_problem(entry, task: str, texts: list[str]) -> str:
             return f"text {i} has {len(text)} characters"
         if task == "translate" and len(entry.sp.encode(text)) > entry.max_src_len - 1:
             return f"text {i} is"  # ... N pieces long (summaries truncate instead)
+        if o["min_length"] > output_limit(entry, o, source_tokens(entry, text)):
+            return f"text {i}: option min_length="
     return ""
 
 
@@ -142,16 +158,12 @@ def check_results(server: RunningServer, request, model: str, results) -> None:
     o = options_of(request.options)
     assert [r.index for r in results] == list(range(len(request.texts)))
     for text, result in zip(request.texts, results):
-        pieces = entry.sp.encode(normalize_input(entry.input_style, text))
-        source = min(len(pieces), entry.max_src_len - 1) + 1  # pieces + EOS
+        source = source_tokens(entry, text)
         assert result.source_tokens == source
-        limit = int(source * o["max_length_ratio"] + o["max_length_offset"])
-        for cap in (o["max_length"], entry.cfg.max_positions - 1, FUZZ_LIMITS["max_output_tokens"]):
-            limit = min(limit, cap) if cap else limit
-        limit = max(1, limit)
+        limit = output_limit(entry, o, source)
         hyps = result.hypotheses
         assert len(hyps) == o["n_best"]
-        assert all(min(o["min_length"], limit) <= h.tokens <= limit for h in hyps)
+        assert all(o["min_length"] <= h.tokens <= limit for h in hyps)
         scores = [h.score for h in hyps]
         assert scores == (sorted(scores, reverse=True) if request.options.return_scores else [0.0] * len(hyps))
 
@@ -481,6 +493,124 @@ def test_an_expired_call_leaves_the_batch_at_the_next_step_and_the_others_are_un
     assert len(gone) == 16 and all(0 < s.step < s.max_len for s in gone)
 
 
+# The vanilla model: batches of any size (the exported GRET model's encoder refuses batches of
+# more than one text at present: "invalid dimensions for output: global_state").
+VANILLA = "tiny-en-de"
+
+
+@pytest.fixture(scope="module")
+def vanilla(served_models):
+    """A server with the default limits and the vanilla model, its engine observed by a StepLog."""
+    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA]))
+    engine = running.registry.pipelines[VANILLA].engine
+    engine.observer = StepLog(engine.observer)
+    yield running
+    engine.observer.release.set()
+    running.stop()
+
+
+def to_german(texts, beam, **options):
+    return pb.TranslateRequest(texts=texts, target_language="de", options=pb.DecodingOptions(beam_size=beam, **options))
+
+
+def calls_ended(server: RunningServer, method: str, code: str) -> float:
+    return server.metrics.registry.get_sample_value(
+        "gret_serve_requests_total", {"model": VANILLA, "method": method, "code": code}) or 0
+
+
+def test_a_stream_cancelled_while_its_write_waits_for_the_clients_window_stops_decoding(vanilla, caplog):
+    """The chaos test's trigger: a small HTTP/2 window fills while the client reads nothing, so
+    the server is blocked in a write when the cancel arrives. The call is counted as CANCELLED
+    once, its texts leave the engine at the next step, and nothing is logged as an error."""
+    engine = vanilla.registry.pipelines[VANILLA].engine
+    step_log = engine.observer
+    small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(vanilla.address, options=small_window))
+    counted = lambda: sum(calls_ended(vanilla, "TranslateStream", c.name) for c in CODE)  # noqa: E731
+    before = calls_ended(vanilla, "TranslateStream", "CANCELLED"), counted()
+    call = stub.TranslateStream(to_german(german(256, offset=400), beam=8, n_best=4, return_scores=True), timeout=120)
+    next(call)
+    time.sleep(0.5)  # the window fills; the server's next write waits for it
+    call.cancel()
+    wait_until(lambda: calls_ended(vanilla, "TranslateStream", "CANCELLED") > before[0])
+    steps_at_cancel = len(step_log.steps)
+    wait_until(engine.idle)
+    assert len(step_log.steps) - steps_at_cancel <= 1  # at most the step already under way
+    assert counted() == before[1] + 1
+    statuses = collections.Counter(s.status for s in step_log.done)
+    assert sum(statuses.values()) == 256 and statuses[CANCELLED] > 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# At most 8 output tokens at beam 1: a text's budget is its source + 8.
+SHORT = dict(max_length_ratio=10, max_length=8, min_length=8)
+
+
+def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after_their_backlog(served_models):
+    """Calls take turns at admission: behind 4 calls of 16 texts each, a one-text call is the
+    fifth admitted (first come, first served by text, it would be the 65th)."""
+    server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
+                                      max_batch_tokens=80))  # two or three texts decode at a time
+    engine = server.registry.pipelines[VANILLA].engine
+    log = engine.observer = StepLog(engine.observer)
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+        running = stub.Translate.future(to_german(german(1, offset=600), beam=1, **SHORT), timeout=120)
+        log.hold = 1
+        assert log.held.wait(60)  # the engine waits between two steps while the queue fills
+        backlog = [stub.Translate.future(to_german(german(16, offset=610 + 16 * i), beam=1, **SHORT), timeout=120)
+                   for i in range(4)]
+        wait_until(lambda: engine.queued() == 64)
+        small = stub.Translate.future(to_german(german(1, offset=700), beam=1, **SHORT), timeout=120)
+        wait_until(lambda: engine.queued() == 65)
+        log.release.set()
+        for call in [running, small, *backlog]:
+            call.result(120)
+    finally:
+        log.release.set()
+        server.stop()
+    source = lambda text: server.registry.pipelines[VANILLA].sequences([text], DecodingOptions(), None)[0].src  # noqa: E731
+    first, small = source(german(1, offset=600)[0]), source(german(1, offset=700)[0])
+    small_seq = next(s for s in log.done if s.src == small)
+    backlog_seqs = [s for s in log.done if s.src not in (first, small)]
+    assert len(backlog_seqs) == 64
+    assert sum(s.admitted < small_seq.admitted for s in backlog_seqs) <= 4  # one text of each call ahead
+    assert sum(s.admitted > small_seq.admitted for s in backlog_seqs) >= 64 - 8  # the backlog still waited
+
+
+def test_a_min_length_above_a_texts_output_limit_is_invalid_argument_naming_both_numbers(vanilla):
+    text = german(1, offset=500)[0]
+    limit = int(1.5 * (len(vanilla.registry.pipelines[VANILLA].entry.sp.encode(text)) + 1) + 10)
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(vanilla.address))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Translate(to_german([text], beam=2, min_length=256), timeout=60)
+    assert refused.value.code() == CODE.INVALID_ARGUMENT
+    assert f"min_length=256 is above the output limit of {limit} tokens" in refused.value.details()
+    ok = stub.Translate(to_german([text], beam=2, min_length=limit), timeout=60)
+    assert ok.results[0].hypotheses[0].tokens == limit
+
+
+def test_every_call_of_every_rpc_is_counted_and_timed_whatever_its_outcome(vanilla):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(vanilla.address))
+    stub.ListModels(pb.ListModelsRequest(), timeout=30)
+    list(stub.TranslateStream(to_german(german(2), beam=1), timeout=60))
+    for bad in (to_german(german(1), beam=99), pb.TranslateRequest(texts=["x"], model="nonesuch")):
+        with pytest.raises(grpc.RpcError):
+            stub.Translate(bad, timeout=30)
+    with pytest.raises(grpc.RpcError):
+        grpc.insecure_channel(vanilla.address).unary_unary("/gretserve.v1.Inference/Translate")(b"\xff", timeout=30)
+    counted, timed = collections.Counter(), collections.Counter()
+    for family in vanilla.metrics.registry.collect():
+        for sample in family.samples:
+            key = sample.labels.get("model"), sample.labels.get("method")
+            if sample.name == "gret_serve_requests_total":
+                counted[key] += sample.value
+            elif sample.name == "gret_serve_request_seconds_count":
+                timed[key] += sample.value
+    assert counted[("", "ListModels")] >= 1 and counted[("", "Translate")] >= 3
+    assert counted == timed
+
+
 # ---- faults: signals -----------------------------------------------------------------------------------
 def metric(port: int, name: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -658,6 +788,22 @@ def test_with_skip_bad_models_a_broken_model_is_skipped_and_named_and_the_rest_s
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_the_encoder_caches_of_all_models_together_stay_within_cache_mb(served_models):
+    server = RunningServer(config_for(served_models, served_models.parent / "build-cache", cache_mb=1,
+                                      models=[VANILLA, "tiny-headlines"]))  # see VANILLA
+    try:
+        with Client(server.address, timeout=120) as c:
+            for offset in range(0, 64, 16):  # far more distinct sources than 1 MiB holds
+                c.translate(german(16, offset=offset), target="de", beam_size=1, max_length=2)
+                c.summarize(german(16, offset=offset), beam_size=1, max_length=2)
+        caches = [p.engine.cache.stats() for p in server.registry]
+    finally:
+        server.stop()
+    assert len(caches) == 2 and all(c["evictions"] for c in caches)
+    assert sum(c["max_bytes"] for c in caches) <= 1 << 20
+    assert sum(c["bytes"] for c in caches) <= 1 << 20
 
 
 def test_a_full_queue_answers_resource_exhausted_at_once_and_memory_stays_bounded(served_models, tmp_path):

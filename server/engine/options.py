@@ -50,10 +50,7 @@ class DecodingOptions:
         require(0 <= self.max_len_b <= 10_000, "max_length_offset", self.max_len_b, "0..10000")
         require(0 <= self.max_length <= limits.max_output_tokens, "max_length", self.max_length,
                 f"0..{limits.max_output_tokens} (0 = no absolute limit)")
-        require(0 <= self.min_length <= limits.max_output_tokens, "min_length", self.min_length,
-                f"0..{limits.max_output_tokens}")
-        require(not self.max_length or self.min_length <= self.max_length, "min_length", self.min_length,
-                f"at most max_length ({self.max_length})")
+        # min_length is checked per text, against that text's output limit (output_limit)
         require(0 <= self.no_repeat_ngram <= limits.max_no_repeat_ngram, "no_repeat_ngram_size",
                 self.no_repeat_ngram, f"0..{limits.max_no_repeat_ngram} (0 = off)")
         return self
@@ -61,6 +58,13 @@ class DecodingOptions:
     def output_limit(self, source_tokens: int, model_limit: int, limits: Limits) -> int:
         """Most tokens the search may generate for a source of this many pieces (EOS counted):
         training.beam.output_limit's a * n + b, at most max_length (if set), the model's limit
-        and the server's."""
+        and the server's. A min_length above it is an OptionError: the search would stop at the
+        limit with no end of sentence."""
         cap = min(c for c in (self.max_length, model_limit, limits.max_output_tokens) if c)
-        return output_limit(source_tokens, self.max_len_a, self.max_len_b, cap)
+        n = output_limit(source_tokens, self.max_len_a, self.max_len_b, cap)
+        if self.min_length > n:
+            raise OptionError(f"option min_length={self.min_length} is above the output limit of {n} tokens for "
+                              f"this text ({source_tokens} source tokens): lower min_length, or raise "
+                              f"max_length_ratio, max_length_offset or max_length (at most "
+                              f"{min(model_limit, limits.max_output_tokens)})")
+        return n
