@@ -1,11 +1,11 @@
-# The two commands of the README: `make serve` (the main job) and `make test`.
+# The two commands of the README: `make serve` (the main job) and `make test` (also CI's: .ci/run).
 # Both do all set-up on a fresh machine: a virtualenv with the pinned dependencies.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: setup test serve demo proto clean
+.PHONY: setup test test-fast serve demo proto clean
 
 setup: $(STAMP)
 
@@ -14,8 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
+# The whole suite; the slowest tests are listed at the end, so that a slow one shows in CI's log.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The loop while editing: what does not train models, start servers or fuzz at volume (not marked slow).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 # Serve every model under models/ over gRPC (50051) with metrics on 9090. Shipped checkpoints are
 # exported to ONNX and verified on first start (cached in ~/.cache/gret-serve); ARGS adds flags,

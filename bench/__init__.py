@@ -2,6 +2,30 @@
 
     python -m bench engine [--quick]   offline decoding: our engine vs CTranslate2 vs PyTorch
     python -m bench server [--quick]   gRPC load: latency vs offered load per batching policy
-    python -m bench report             docs/BENCHMARKS.md from docs/results/bench-*.json
+    python -m bench report             BENCHMARKS.md from bench-*.json
     python -m bench.soak               the 10-minute soak at ~70% of saturation
+
+Each writes into runs/bench (gitignored); with --publish, into docs/results and docs/, the
+tracked record (`python -m bench report --publish` renders docs/BENCHMARKS.md).
 """
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from training.data import PROJECT_ROOT
+
+
+def add_publish(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--publish", action="store_true",
+                        help="write into docs/results and docs/, the tracked record (default: runs/bench)")
+
+
+def results_dir(publish: bool) -> Path:
+    """A run that is not published stays out of the tracked tree."""
+    return PROJECT_ROOT / "docs" / "results" if publish else PROJECT_ROOT / "runs" / "bench"
+
+
+def pages_dir(publish: bool) -> Path:
+    """Where the pages rendered from the results go: docs/ beside docs/results, or beside runs/bench's JSON."""
+    return PROJECT_ROOT / "docs" if publish else results_dir(False)

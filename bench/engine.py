@@ -16,7 +16,8 @@ Systems take turns batch by batch, each batch starting with a different system, 
 other processes on a shared machine hits all of them alike; ratios are computed per batch and
 reported as medians with their spread. Per system: target tokens/s, sentences/s, BLEU of its
 own output (a speed-up that changes translations shows here), the share of outputs identical to
-the PyTorch reference, resident memory. Writes docs/results/bench-engine.json and a bar chart.
+the PyTorch reference, resident memory. Writes bench-engine.json and a bar chart into runs/bench
+(docs/results with --publish).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from bench import add_publish, results_dir
 from export.ct2_runtime import Ct2Translator, max_lengths
 from export.manifest import sha256
 from export.repository import write_repository
@@ -49,7 +51,6 @@ from training.checkpoint import WEIGHTS, load_checkpoint
 from training.data import PROJECT_ROOT, encode_source, load_examples, pad
 from training.metrics import bleu
 
-RESULTS = PROJECT_ROOT / "docs" / "results"
 REFERENCE, BASELINE = "pytorch", "ct2-int8"
 TARGETS = {"best_engine_vs_ct2_int8": 1.0, "gret_vs_vanilla": 0.9, "best_engine_vs_pytorch": 10.0}
 
@@ -305,8 +306,10 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="first N sentences only")
     p.add_argument("--build-dir", type=Path, help="where exported repositories are kept (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="CI smoke run: 64 sentences, fewer systems")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench-engine.json")
+    p.add_argument("--out", type=Path, help="default: bench-engine.json in runs/bench (docs/results with --publish)")
+    add_publish(p)
     args = p.parse_args(argv)
+    args.out = args.out or results_dir(args.publish) / "bench-engine.json"
     model, ckpt, sp = load_checkpoint(args.checkpoint)
     examples = load_examples(ckpt.data.dataset, args.split, ckpt.data.src_lang, ckpt.data.tgt_lang)
     examples = examples[: 64 if args.quick else (args.limit or None)]

@@ -1,8 +1,9 @@
-"""python -m bench report [--results docs/results] [--out docs/BENCHMARKS.md]
+"""python -m bench report [--publish] [--results DIR] [--out FILE]
 
 Renders the benchmarks' page from the JSON that `python -m bench engine` and `python -m bench
 server` wrote (bench-engine.json, bench-server.json) and embeds their plots. Every number on the
-page comes from those files; a benchmark that has not been run is named with its command.
+page comes from those files; a benchmark that has not been run is named with its command. By
+default runs/bench/BENCHMARKS.md from runs/bench; with --publish docs/BENCHMARKS.md from docs/results.
 """
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from training.data import PROJECT_ROOT
-
-RESULTS = PROJECT_ROOT / "docs" / "results"
+from bench import add_publish, pages_dir, results_dir
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -141,7 +140,7 @@ def server_section(data: dict, results: Path, out: Path) -> str:
                      + ", ".join(f"`{n}` {p['saturation']['vs_bench_engine']}" for n, p in data["policies"].items())
                      + ".")
     else:
-        parts.append("No `docs/results/bench-engine.json` of the same checkpoint and threads was there when this "
+        parts.append("No `bench-engine.json` of the same checkpoint and threads was there when this "
                      "ran: the comparison is with the in-run offline engine only.")
     parts.append("### Latency against offered load")
     parts.append(f"Open loop: Poisson arrivals at a share of each policy's own saturation throughput for "
@@ -197,9 +196,12 @@ def render(results: Path, out: Path) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=RESULTS, help="folder with bench-engine.json, bench-server.json")
-    p.add_argument("--out", type=Path, default=PROJECT_ROOT / "docs" / "BENCHMARKS.md")
+    p.add_argument("--results", type=Path, help="folder with bench-engine.json, bench-server.json")
+    p.add_argument("--out", type=Path, help="default: BENCHMARKS.md in runs/bench (docs/ with --publish)")
+    add_publish(p)
     args = p.parse_args(argv)
+    args.results = args.results or results_dir(args.publish)
+    args.out = args.out or pages_dir(args.publish) / "BENCHMARKS.md"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(args.results.resolve(), args.out.resolve()))
     print(f"wrote {args.out}")

@@ -1,4 +1,4 @@
-"""python -m bench server [--quick] [--models-dir models] [--model multi30k-de-en] [--threads 2]
+"""python -m bench server [--quick] [--publish] [--models-dir models] [--model multi30k-de-en] [--threads 2]
 
 gRPC load on loopback against the real server (`python -m server`, one subprocess per batching
 policy: continuous, request, none), all started at once so that the policies can take turns:
@@ -15,10 +15,11 @@ would flatter them. Every point is bounded in requests and in time.
 
 A checkpoint is exported to ONNX and verified on the first start (minutes); the export is kept
 in the server's build cache ($GRET_SERVE_CACHE, or --build-cache), so later runs start in seconds.
-Writes bench-server.json and PNG plots to --out-dir (docs/results); `python -m bench report`
-turns them into docs/BENCHMARKS.md. On a shared machine only the ratios and the side-by-side
-comparisons mean much: the load average is recorded at the start, at every point and at the end,
-and every point records the CPU seconds each server (and the load generator) used during it.
+Writes bench-server.json and PNG plots to --out-dir (runs/bench; docs/results with --publish);
+`python -m bench report` turns them into BENCHMARKS.md. On a shared machine only the ratios and
+the side-by-side comparisons mean much: the load average is recorded at the start, at every point
+and at the end, and every point records the CPU seconds each server (and the load generator) used
+during it.
 """
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ import grpc
 import numpy as np
 import psutil
 
+from bench import add_publish, results_dir
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.client import Client
 from training.data import PROJECT_ROOT, load_examples
 
-RESULTS = PROJECT_ROOT / "docs" / "results"
 POLICIES = ("continuous", "request", "none")
 CACHE_SERVER = "cache"  # the fourth server: continuous batching with the encoder cache on
 RESULTS_SERVER = "results"  # the fifth: the encoder cache and the result cache on (the defaults)
@@ -525,13 +526,17 @@ def main(argv=None) -> int:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--build-cache", type=Path, help="the servers' ONNX build cache (default: $GRET_SERVE_CACHE "
                                                     "or ~/.cache/gret-serve)")
-    p.add_argument("--engine-results", type=Path, default=RESULTS / "bench-engine.json",
-                   help="python -m bench engine's JSON: the offline figure saturation is compared with")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--engine-results", type=Path,
+                   help="python -m bench engine's JSON: the offline figure saturation is compared with "
+                        "(default: bench-engine.json in --out-dir)")
+    p.add_argument("--out-dir", type=Path, help="default: runs/bench (docs/results with --publish)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="what else the machine was doing, for the record")
     p.add_argument("--quick", action="store_true", help="CI smoke run: one round, one open-loop point, few requests")
+    add_publish(p)
     args = p.parse_args(argv)
+    args.out_dir = args.out_dir or results_dir(args.publish)
+    args.engine_results = args.engine_results or args.out_dir / "bench-engine.json"
     plan = QUICK if args.quick else FULL
     started = time.monotonic()
     load_start = os.getloadavg()

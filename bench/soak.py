@@ -1,4 +1,4 @@
-"""python -m bench.soak [--minutes 10] [--load 0.7] [--models-dir models] [--model multi30k-de-en]
+"""python -m bench.soak [--publish] [--minutes 10] [--load 0.7] [--models-dir models] [--model multi30k-de-en]
 
 The soak: the real server (`python -m server`, a subprocess on loopback) under steady load for a
 long time. First a closed-loop ramp (1, 2, 4, ... callers, --ramp-seconds each) finds the
@@ -11,8 +11,8 @@ latency, the server's resident memory every 5 s (/proc), and the load average of
 Passes when: no call fails; resident memory grows less than 5 % after the warm-up (the first
 minute): the mean of the last minute's samples against the mean of the second minute's; latency
 is stable: after the warm-up, no minute's p50 (p99) is more than 1.5 (2) times the median
-minute's. Writes docs/results/soak.json, and docs/SOAK.md generated from it (--report-only
-regenerates the page from the JSON).
+minute's. Writes soak.json, and SOAK.md generated from it (--report-only regenerates the page
+from the JSON), into runs/bench; with --publish docs/results/soak.json and docs/SOAK.md.
 """
 from __future__ import annotations
 
@@ -33,12 +33,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench import add_publish, pages_dir, results_dir
 from bench.server import Call, ServerProcess, call, git_commit, server_env
 from proto import gret_serve_pb2_grpc as pb_grpc
 from training.data import PROJECT_ROOT, load_examples
 
-RESULTS = PROJECT_ROOT / "docs" / "results" / "soak.json"
-REPORT = PROJECT_ROOT / "docs" / "SOAK.md"
 OPTIONS = {"beam_size": 4}
 MEMORY_GROWTH, P50_SPREAD, P99_SPREAD = 0.05, 1.5, 2.0  # the pass criteria (see above)
 
@@ -246,10 +245,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--build-cache", type=Path, help="the server's build cache (default: its own)")
     p.add_argument("--note", default="", help="what else ran on the machine, for the report")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--report", type=Path, default=REPORT)
+    p.add_argument("--out", type=Path, help="default: soak.json in runs/bench (docs/results with --publish)")
+    p.add_argument("--report", type=Path, help="default: SOAK.md in runs/bench (docs/ with --publish)")
     p.add_argument("--report-only", action="store_true", help="regenerate --report from --out")
+    add_publish(p)
     args = p.parse_args(argv)
+    args.out = args.out or results_dir(args.publish) / "soak.json"
+    args.report = args.report or pages_dir(args.publish) / "SOAK.md"
     args.argv = ["…" if a == args.note and a else a for a in (sys.argv[1:] if argv is None else argv)]
     if not args.report_only:
         result = asyncio.run(run(args))

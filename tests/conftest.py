@@ -13,3 +13,11 @@ def served_models(tmp_path_factory):
     from tests.served import train_models
 
     return train_models(tmp_path_factory.mktemp("served"))
+
+
+def pytest_collection_modifyitems(items):
+    """A test that needs the trained models is slow by that alone: they take the first such test a
+    minute or more to train (make test-fast leaves it out)."""
+    for item in items:
+        if "served_models" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)

@@ -27,8 +27,8 @@ TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "600", "--l
 
 
 def train_models(root: Path) -> Path:
-    """root/models: de-en (GRET, exported ONNX repository), en-de (vanilla checkpoint: the server
-    exports it on first start), gigaword (summariser checkpoint)."""
+    """root/models: de-en (GRET, exported ONNX repository; its checkpoint is root/runs/de-en), en-de
+    (vanilla checkpoint: the server exports it on first start), gigaword (summariser checkpoint)."""
     runs, models = root / "runs", root / "models"
     train.main(["--out", str(runs / "de-en"), *TINY, "--gret", "full", "--train-limit", "60", "--valid-limit", "4",
                 "--max-steps", "60", "--eval-every", "60"])

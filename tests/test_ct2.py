@@ -79,6 +79,7 @@ def trained(tmp_path_factory) -> Trained:
     return Trained(models, sources, sp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vanilla", "mvpe"])
 def test_fp32_beam_search_gives_the_pytorch_n_best_and_scores(trained, name):
     (model, repo), sources = trained.models[name], trained.sources
@@ -94,6 +95,7 @@ def test_fp32_beam_search_gives_the_pytorch_n_best_and_scores(trained, name):
         assert [t.score for t in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_per_sentence_length_limits_length_penalty_and_greedy_match_pytorch(trained):
     """Limits a * src_len + b that bind (forced finishes at each sentence's own last step), another
     length penalty, and beam 1 against training.search.greedy."""
@@ -134,6 +136,7 @@ def test_other_architectures_are_refused_with_the_reason(name, tmp_path, spm_byt
 
 
 # ---- the repository --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_repository_lists_its_files_with_sha256_and_the_vocabulary_is_our_id_order(trained):
     (model, repo), sp = trained.models["mvpe"], trained.sp
     manifest = json.loads((repo / MANIFEST).read_text())
@@ -162,6 +165,7 @@ def test_a_changed_file_is_detected_and_a_wrong_precision_is_refused(tmp_path, s
 
 
 # ---- runtime options and bad input ------------------------------------------------------------------
+@pytest.mark.slow
 def test_decoding_options_are_honoured(trained):
     (_, repo), sources = trained.models["vanilla"], trained.sources
     ct2_model = Ct2Translator(repo)
@@ -176,6 +180,7 @@ def test_decoding_options_are_honoured(trained):
     assert all(len(hyps) == 4 and {t.score for t in hyps} == {None} for hyps in n_best)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sources, options, message", [
     ([[]], {}, "empty"),
     ([[5, 0, 3]], {}, "padding"),
@@ -189,6 +194,7 @@ def test_bad_input_is_refused_clearly(trained, sources, options, message):
 
 
 # ---- int8 --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_int8_weights_run_and_stay_close_to_fp32(trained):
     (model, repo), sources = trained.models["vanilla"], trained.sources
     files = read_manifest(repo)["files"]

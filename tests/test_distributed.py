@@ -71,17 +71,20 @@ def assert_steps_match(log: list[dict], single: list[dict], expected: range):
             assert record[key] == pytest.approx(reference[step][key], abs=TOLERANCE), (step, key)
 
 
+@pytest.mark.slow
 def test_both_processes_end_with_identical_weights(runs):
     done = runs[1][-1]
     assert done["event"] == "done"
     assert len(done["weights_sha256"]) == 2 and len(set(done["weights_sha256"])) == 1, done
 
 
+@pytest.mark.slow
 def test_losses_and_gradient_norms_match_one_process_on_the_same_global_batches(runs):
     single, parallel, _ = runs
     assert_steps_match(parallel, single, range(1, 9))
 
 
+@pytest.mark.slow
 def test_the_state_two_processes_saved_resumes_in_one(runs):
     single, _, resumed = runs
     assert_steps_match(resumed, single, range(9, 13))

@@ -18,7 +18,7 @@ from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
-from training import search, train
+from training import search
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Checkpoint, DataConfig
 from training.data import encode_source, load_examples, pad, train_sentencepiece
@@ -197,19 +197,13 @@ def test_a_parameter_no_graph_carries_is_an_error(tmp_path):
 
 # ---- a model trained on real data: beam search parity and int8 -----------------------------------
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny GRET model trained 60 steps on 60 real pairs (enough for word-like output, e.g.
-    "A man in a ... on a ..."), exported with int8 graphs."""
-    out = tmp_path_factory.mktemp("trained")
-    train.main(["--out", str(out / "checkpoint"), "--preset", "tiny", "--gret", "full", "--train-limit", "60",
-                "--valid-limit", "4", "--vocab-size", "300", "--batch-tokens", "600", "--lr", "5e-3",
-                "--warmup", "10", "--label-smoothing", "0", "--dropout", "0", "--threads", "1",
-                "--max-steps", "60", "--eval-every", "60", "--log-every", "20"])
-    export_main(["--checkpoint", str(out / "checkpoint"), "--out", str(out / "repo"), "--quantize", "int8"])
-    model, ckpt, sp = load_checkpoint(out / "checkpoint")
+def trained(served_models):
+    """The session's tiny GRET de-en model (tests/served.py: 60 steps on 60 real pairs, enough for
+    word-like output, e.g. "A man in a ... on a ..."), exported with int8 graphs."""
+    model, ckpt, sp = load_checkpoint(served_models.parent / "runs" / "de-en")
     texts = [e.source for e in load_examples("multi30k", "val", "de", "en")[:20]]
     src = pad([encode_source(sp, t, ckpt.data.max_src_len) for t in texts])
-    return model, out / "repo", src
+    return model, served_models / "tiny-de-en", src
 
 
 def test_beam_search_on_onnx_gives_the_pytorch_outputs_on_real_sentences(trained):

@@ -17,6 +17,8 @@ from training.data import load_examples
 from training.decode import corpus_translate
 from training.ship import reproduction
 
+pytestmark = pytest.mark.slow  # it trains models
+
 # A small real subset: the first 60 Multi30K pairs, a 300-piece vocabulary.
 COMMON = ["--preset", "tiny", "--train-limit", "60", "--valid-limit", "8", "--vocab-size", "300",
           "--batch-tokens", "600", "--lr", "3e-3", "--warmup", "50", "--threads", "2", "--log-every", "10"]
