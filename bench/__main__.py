@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"engine": "bench.engine", "server": "bench.server", "report": "bench.report"}
+COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed", "report": "bench.report"}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,248 @@
+"""python -m bench speed [--quick] [--publish]: the server, as a user runs it, against CTranslate2.
+
+One run, the systems taking turns, so that every ratio compares numbers taken under the same
+machine load:
+  1. the score: `python -m server` with its default flags (both caches off: the texts repeat
+     across rounds), 64 callers in a closed loop, one unseen Multi30K test sentence per call,
+     beam 4, found like a user finds it: over gRPC on loopback, from another process. Against it,
+     CTranslate2 int8 offline on the same weights and texts in batches of 32, at its best of one
+     replica x all threads and all replicas x one thread. The same load on the GRET model gives
+     GRET / vanilla. Medians over rounds, and the ratios per round.
+  2. the sweep: texts/s against the number of callers (1, 4, 16, 64, 256) for the server with
+     defaults and for CTranslate2 answering each caller's one sentence itself (all replicas x one
+     thread; callers are threads, CTranslate2 releases the GIL). One caller's p50 latency is the
+     single-user latency.
+Writes bench-speed.json and bench-speed.png (runs/bench; docs/results with --publish);
+`python -m bench report` renders them into BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench import add_publish, results_dir
+from bench.engine import CTranslate2, export
+from bench.server import Plan, ServerProcess, call, closed_loop
+from proto import gret_serve_pb2_grpc as pb_grpc
+from server.engine.options import DecodingOptions
+from training.checkpoint import load_checkpoint
+from training.data import PROJECT_ROOT, encode_source, load_examples
+
+BEAM, CALLERS, CT2_BATCH = 4, 64, 32
+SWEEP = (1, 4, 16, 64, 256)
+TARGETS = {"server_vs_ct2": 1.0, "gret_vs_vanilla": 0.9}
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+# ---- CTranslate2 ---------------------------------------------------------------------------------
+class Ct2Offline:
+    """CTranslate2 int8 in this process: the texts in batches of 32, `replicas` x `threads`."""
+
+    def __init__(self, repo: Path, threads: int, replicas: int):
+        self.system = CTranslate2(repo, "int8", threads, DecodingOptions(beam=BEAM), replicas=replicas)
+
+    def run(self, sources: list[list[int]]) -> dict:
+        start = time.perf_counter()
+        for k in range(0, len(sources), CT2_BATCH):
+            self.system.decode(sources[k: k + CT2_BATCH])
+        seconds = time.perf_counter() - start
+        return {"texts": len(sources), "seconds": round(seconds, 2), "texts_per_s": round(len(sources) / seconds, 3),
+                "load_average": round(os.getloadavg()[0], 2)}
+
+
+def ct2_callers(system: CTranslate2, sources: list[list[int]], callers: int, seconds: float, warmup: float) -> dict:
+    """`callers` threads, each translating one sentence at a time with CTranslate2 directly: the
+    best a server without cross-request batching could do on these cores."""
+    latencies, stop, lock = [], time.perf_counter() + seconds, threading.Lock()
+    counted_from = time.perf_counter() + warmup
+
+    def caller(offset: int):
+        k = offset
+        while time.perf_counter() < stop:
+            start = time.perf_counter()
+            system.decode([sources[k % len(sources)]])
+            end = time.perf_counter()
+            if counted_from <= end <= stop:
+                with lock:
+                    latencies.append(end - start)
+            k += callers
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return point(latencies, seconds - warmup)
+
+
+def point(latencies: list[float], seconds: float) -> dict:
+    ms = np.array(latencies) * 1000 if latencies else np.zeros(1)
+    return {"ok": len(latencies), "texts_per_s": round(len(latencies) / seconds, 3),
+            "latency_ms": {"p50": round(float(np.percentile(ms, 50)), 1), "p99": round(float(np.percentile(ms, 99)), 1)},
+            "load_average": round(os.getloadavg()[0], 2)}
+
+
+# ---- the servers ---------------------------------------------------------------------------------
+def start_server(name: str, model: str, args, log_dir: Path) -> ServerProcess:
+    """Default flags but for the caches (off: the texts repeat) and the ports (free, loopback)."""
+    flags = ["--models-dir", str(args.models_dir), "--models", model, "--metrics-port", "0",
+             "--cache-mb", "0", "--result-cache", "0"]
+    if args.build_cache:
+        flags += ["--build-cache", str(args.build_cache)]
+    server = ServerProcess(name, flags, log_dir, {})
+    server.wait_serving(timeout=1800)
+    return server
+
+
+async def load(server: ServerProcess, model: str, texts: list[str], callers: int, plan: Plan) -> dict:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        await call(stub, model, texts[0], {"beam_size": BEAM})  # sessions and arenas warm
+        return await closed_loop(stub, model, texts, {"beam_size": BEAM}, plan, callers)
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def measure(args, log_dir: Path) -> dict:
+    checkpoint = args.models_dir / args.model
+    _, ckpt, sp = load_checkpoint(checkpoint)
+    examples = load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang, ckpt.data.tgt_lang)
+    texts = [e.source for e in examples]
+    sources = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
+    ct2_repo = export(checkpoint, args.build_dir / "ct2", "ct2")
+    cores = usable_cores()
+    ct2 = {f"ct2-int8-1x{cores}": Ct2Offline(ct2_repo, cores, 1), f"ct2-int8-{cores}x1": Ct2Offline(ct2_repo, 1, cores)}
+    plan = Plan(rounds=args.rounds, concurrency=CALLERS, saturation_seconds=args.seconds, warmup_seconds=args.warmup,
+                max_requests=100_000, fractions=(), open_seconds=0, drain_seconds=0, offline_texts=args.ct2_texts,
+                cache_pairs=0)
+    servers = {"server-vanilla": (start_server("vanilla", args.model, args, log_dir), args.model),
+               "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret)}
+    rounds = []
+    try:
+        for system in ct2.values():
+            system.run(sources[:CT2_BATCH])  # warm
+        for r in range(args.rounds):
+            names = list(ct2) + list(servers)
+            names = names[r % len(names):] + names[: r % len(names)]
+            row = {}
+            for name in names:
+                if name in ct2:
+                    row[name] = ct2[name].run(sources[: args.ct2_texts])
+                else:
+                    server, model = servers[name]
+                    row[name] = asyncio.run(load(server, model, texts, CALLERS, plan))
+                print(f"round {r} {name:18s} {row[name]['texts_per_s']:8.2f} texts/s", flush=True)
+            best = max(ct2, key=lambda n: row[n]["texts_per_s"])
+            row["ratios"] = {"server_vs_ct2": round(row["server-vanilla"]["texts_per_s"] / row[best]["texts_per_s"], 3),
+                             "ct2_best": best,
+                             "gret_vs_vanilla": round(row["server-gret"]["texts_per_s"]
+                                                      / row["server-vanilla"]["texts_per_s"], 3)}
+            rounds.append(row)
+        sweep = {"server": {}, "ct2": {}}
+        sweep_plan = Plan(rounds=1, concurrency=0, saturation_seconds=args.sweep_seconds, warmup_seconds=args.warmup,
+                          max_requests=100_000, fractions=(), open_seconds=0, drain_seconds=0, offline_texts=0,
+                          cache_pairs=0)
+        ct2_server = CTranslate2(ct2_repo, "int8", 1, DecodingOptions(beam=BEAM), replicas=cores)
+        for callers in SWEEP:
+            server, model = servers["server-vanilla"]
+            sweep["server"][callers] = asyncio.run(load(server, model, texts, callers, sweep_plan))
+            sweep["ct2"][callers] = ct2_callers(ct2_server, sources, callers, args.sweep_seconds, args.warmup)
+            print(f"sweep {callers:4d} callers: server {sweep['server'][callers]['texts_per_s']:8.2f}, "
+                  f"ct2 {sweep['ct2'][callers]['texts_per_s']:8.2f} texts/s", flush=True)
+        memory = {name: resident_mb(server) for name, (server, _) in servers.items()}
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+    return {"rounds": rounds, "sweep": sweep, "resident_mb": memory, "cores": cores,
+            "medians": {key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
+                        for key in ("server_vs_ct2", "gret_vs_vanilla")},
+            "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
+                            for name in rounds[0] if name != "ratios"}}
+
+
+def resident_mb(server: ServerProcess) -> dict:
+    """The server process and its children (process replicas), in MB."""
+    procs = [server.psutil] + server.psutil.children(recursive=True)
+    per = {f"{p.pid}:{p.name()}": round(p.memory_info().rss / 2**20, 1) for p in procs}
+    return {"total": round(sum(per.values()), 1), "processes": per}
+
+
+def plot(sweep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("server", "python -m server (defaults)"), ("ct2", "CTranslate2 int8, one sentence per call")):
+        callers = sorted(int(c) for c in sweep[name])
+        ax.plot(callers, [sweep[name][c]["texts_per_s"] for c in callers], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent callers (closed loop)")
+    ax.set_ylabel("texts/s")
+    ax.set_title("Throughput against callers, beam 4, Multi30K de→en")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models-dir", type=Path, default=PROJECT_ROOT / "models")
+    p.add_argument("--model", default="multi30k-de-en-vanilla", help="a vanilla model: CTranslate2 serves it too")
+    p.add_argument("--gret", default="multi30k-de-en", help="the GRET model compared with it")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=30, help="per closed-loop point of the score")
+    p.add_argument("--warmup", type=float, default=8, help="seconds at the start of a point that are not counted")
+    p.add_argument("--sweep-seconds", type=float, default=20)
+    p.add_argument("--ct2-texts", type=int, default=512, help="texts per CTranslate2 offline round")
+    p.add_argument("--build-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-build")
+    p.add_argument("--build-cache", type=Path, help="the servers' build cache (default: theirs)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: one short round")
+    p.add_argument("--note", default="", help="recorded with the results (e.g. 'training paused with SIGSTOP')")
+    add_publish(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds, args.warmup, args.sweep_seconds, args.ct2_texts = 1, 6, 2, 4, 64
+    out = results_dir(args.publish)
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = PROJECT_ROOT / "runs" / "bench" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    measured = measure(args, log_dir)
+    payload = {"command": "python -m bench speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "note": args.note, "machine": platform.platform(), "load_average": {"start": load_start,
+                                                                                   "end": os.getloadavg()},
+               "settings": {"model": args.model, "gret": args.gret, "beam": BEAM, "callers": CALLERS,
+                            "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup,
+                            "ct2_batch": CT2_BATCH, "ct2_texts": args.ct2_texts, "sweep": SWEEP},
+               "targets": {k: {"target": v, "measured": measured["medians"][k],
+                               "met": measured["medians"][k] >= v} for k, v in TARGETS.items()},
+               **measured}
+    (out / "bench-speed.json").write_text(json.dumps(payload, indent=2) + "\n")
+    plot(measured["sweep"], out / "bench-speed.png")
+    print(json.dumps(payload["targets"], indent=2))
+    print(out / "bench-speed.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
