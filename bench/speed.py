@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from bench import add_publish, results_dir
-from bench.engine import CTranslate2, export
+from bench.engine import CTranslate2, _commit, _versions, export
 from bench.server import Plan, ServerProcess, call, closed_loop
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.engine.options import DecodingOptions
@@ -229,8 +229,9 @@ def main(argv=None) -> int:
     measured = measure(args, log_dir)
     payload = {"command": "python -m bench speed " + " ".join(argv if argv is not None else sys.argv[1:]),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "note": args.note, "machine": platform.platform(), "load_average": {"start": load_start,
-                                                                                   "end": os.getloadavg()},
+               "commit": _commit(), "versions": _versions(),
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+                           "load_average_end": os.getloadavg(), "note": args.note},
                "settings": {"model": args.model, "gret": args.gret, "beam": BEAM, "callers": CALLERS,
                             "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup,
                             "ct2_batch": CT2_BATCH, "ct2_texts": args.ct2_texts, "sweep": SWEEP},
