@@ -1,4 +1,4 @@
-"""Checkpoint directory -> model repository (DESIGN.md, "Contracts between the stages").
+"""Checkpoint directory -> model repository (the contract: manifest.py).
 
     python -m export --checkpoint runs/X --out models/NAME [--format onnx] [--quantize int8]
 

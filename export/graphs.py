@@ -103,7 +103,7 @@ class DecoderGraph(nn.Module):
 
 
 def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tensor]:
-    """M_i per decoder layer (SPEC §2): LN_i(g_i(S) + S_N), or g_i(S) for direct replacement, or
+    """M_i per decoder layer (docs/MODEL.md): LN_i(g_i(S) + S_N), or g_i(S) for direct replacement, or
     S_N without multi-view; from MultiViewMemory's parts, whose LayerNorms trace with static shapes."""
     mv = m.multiview
     if mv is None:

@@ -1,6 +1,6 @@
 """model.json: what a model repository holds, written by the exporter and read by the runtime.
 
-Contract (DESIGN.md, "Model repository"): name, version, task, source/target language, an
+The contract: name, version, task, source/target language, an
 architecture summary, the backend ("onnx" or "ct2") with its own section (for ONNX the opset and
 graph signatures, for CT2 its version and model folders), every file with its sha256 (paths
 relative to the repository, "/"-separated), and the metrics the checkpoint recorded.

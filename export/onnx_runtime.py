@@ -137,7 +137,7 @@ class OnnxModel:
 
     @staticmethod
     def reorder(cache: list, rows: torch.Tensor) -> list:
-        """Beam search's only reordered state (SPEC §1.8): cache row j <- old row rows[j]."""
+        """Beam search's only reordered state (docs/MODEL.md): cache row j <- old row rows[j]."""
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
 
 

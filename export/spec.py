@@ -66,7 +66,7 @@ def new_names(layer: int) -> tuple[str, str]:
 
 
 def _per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
-    """What the encoder computes once per sentence and every decoder step reads (SPEC §1.8)."""
+    """What the encoder computes once per sentence and every decoder step reads (docs/MODEL.md)."""
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     out = [TensorSpec("src_pad", "bool", ("batch", "src_len"))]
     if cfg.gret:

@@ -1,4 +1,4 @@
-"""GRET's output layer (SPEC §1.6), run at every decode step:
+"""GRET's output layer (docs/GRET.md), run at every decode step:
 
     r     = LN_out(x)                         x: the last decoder layer's output, one row per beam
     g     = sigmoid(r W_gr^T + Gs[sent])      Gs = W_gs s^M + b_g, cached once per sentence

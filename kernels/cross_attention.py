@@ -1,6 +1,6 @@
 """Cross-attention memory: built once per sentence, read by every beam at every step.
 
-(a) Memory build (SPEC §2), once per source batch, for every decoder layer i:
+(a) Memory build (docs/MODEL.md), once per source batch, for every decoder layer i:
         M_i = LN_i(g_i(S) + S_N)   (soft integration)   or   M_i = g_i(S)   (replacement, vanilla)
         K_i, V_i = heads(M_i W_K^i + b_K^i), heads(M_i W_V^i + b_V^i)          (B, H, S, d_h)
     g_i(S) is a pick among `sources` (the encoder views for GCA/GPA/FGA; FMA/AMA's mixtures are

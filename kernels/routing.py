@@ -1,4 +1,4 @@
-"""Capsule dynamic routing (SPEC §1.3) over G sentences: the M encoder layers of a batch of B
+"""Capsule dynamic routing (docs/GRET.md) over G sentences: the M encoder layers of a batch of B
 sentences are routed as one group of G = B*M independent sentences.
 
 Reference: `capsule_routing_reference`, the factorised algorithm the model trains with. The

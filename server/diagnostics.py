@@ -1,7 +1,7 @@
 """Opt-in GRET diagnostics for a finished text, from the model's own PyTorch modules.
 
   gate               per output piece: the mean over dimensions of the context gate
-                     g_t = sigmoid(W_gr r_t + W_gs s + b_g) (SPEC §1.6): how much of the global
+                     g_t = sigmoid(W_gr r_t + W_gs s + b_g) (docs/GRET.md): how much of the global
                      sentence state the output layer let in for that piece
   routing_agreement  mean over routed encoder layers and capsules of the largest coupling
                      coefficient c_ki of the last routing iteration: 1 = each capsule routes

@@ -1,4 +1,4 @@
-"""Invariants of the model family (SPEC.md §1.9 and their analogues for the other methods)."""
+"""Invariants of the model family (docs/GRET.md and docs/MODEL.md)."""
 from __future__ import annotations
 
 import pytest
@@ -165,7 +165,7 @@ def test_mvpe_k_is_the_smallest_k_within_one_percent_of_the_plateau():
     k = choose_mvpe_k(512, 100)
     objective = mvpe_objective(torch.arange(1, 3001), 512, 100)
     assert objective[k - 1] >= 0.99 * objective.max() > objective[k - 2]
-    assert 250 <= k <= 350  # SPEC: about 300 for D=512, L=100
+    assert 250 <= k <= 350  # docs/MODEL.md: about 300 for D=512, L=100
 
 
 def test_mvpe_objective_matches_the_pairwise_definition():

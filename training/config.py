@@ -1,4 +1,4 @@
-"""One config dataclass for the whole model family (every switch of SPEC.md)."""
+"""One config dataclass for the whole model family (every switch; the math: docs/MODEL.md, docs/GRET.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,16 +26,16 @@ class ModelConfig:
     bos_id: int = 2
     eos_id: int = 3
 
-    # mvPE (SPEC §3): positions encoded as PE(p*k); k = 1 is the standard table.
+    # mvPE (docs/MODEL.md): positions encoded as PE(p*k); k = 1 is the standard table.
     pe_k: int = 1
-    # Source-side POS-tag embeddings (SPEC §3): x = [sqrt(d_emb) E[w] + PE ; V_PoST(tag)].
+    # Source-side POS-tag embeddings (docs/MODEL.md): x = [sqrt(d_emb) E[w] + PE ; V_PoST(tag)].
     pos_tags: bool = False
     pos_dim: int = 64
     pos_embedding: str = "sinusoidal"  # sinusoidal | learned
     pos_proj: bool = False  # Linear(d_emb + pos_dim -> D) instead of d_emb = D - pos_dim
     n_pos_tags: int = 18  # 17 Universal POS tags + PAD (id 0)
 
-    # GRET (SPEC §1): any of the three switches turns the global state on.
+    # GRET (docs/GRET.md): any of the three switches turns the global state on.
     capsule: bool = False
     aggregate: bool = False
     gate: bool = False
@@ -51,11 +51,11 @@ class ModelConfig:
     global_zero_bias: bool = False  # FFN_q / FFN_o biases start at 0, so the pooled capsules, not a constant, set x^m
     routing_scale: bool = False  # routing logits divided by sqrt(D): soft coupling instead of token selection
 
-    # Layer-wise multi-view decoding (SPEC §2).
+    # Layer-wise multi-view decoding (docs/MODEL.md).
     multiview: str | None = None  # gca | gpa | fga | fma | ama
     multiview_soft: bool = True  # soft integration LN_i(g_i(S) + S_N); False = direct replacement
 
-    # Graph-Transformer encoder (SPEC §4).
+    # Graph-Transformer encoder (docs/MODEL.md).
     encoder: str = "transformer"  # transformer | graph
     graph_fusion: str = "sum"
     graph_half_dim: bool = False

@@ -1,4 +1,4 @@
-"""Graph-Transformer encoder (SPEC §4): each layer attends within and across the previous (A)
+"""Graph-Transformer encoder (docs/MODEL.md): each layer attends within and across the previous (A)
 and incremental (N) representations and fuses the subgraph groups."""
 from __future__ import annotations
 

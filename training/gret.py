@@ -1,4 +1,4 @@
-"""GRET (SPEC §1): capsule routing over encoder layers, attentive pooling, layer-wise GRU,
+"""GRET (docs/GRET.md): capsule routing over encoder layers, attentive pooling, layer-wise GRU,
 and the context gate at the output layer."""
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ class GlobalState(nn.Module):
 
 
 class ContextGate(nn.Module):
-    """r_bar = r + sigmoid(W_gr r + W_gs s + b_g) * s (eqs. 12-13 as fixed in SPEC §1.6)."""
+    """r_bar = r + sigmoid(W_gr r + W_gs s + b_g) * s (the paper's eqs. 12-13 as fixed in docs/GRET.md)."""
 
     def __init__(self, cfg):
         super().__init__()

@@ -98,7 +98,7 @@ class Seq2Seq(nn.Module):
         return EncoderState(kv, pad, s, gs)
 
     def cross_keys_values(self, views: list[torch.Tensor]) -> list[KV]:
-        """Each decoder layer's cross-attention (K, V) over its memory M_i (SPEC §2; M_i = S_N
+        """Each decoder layer's cross-attention (K, V) over its memory M_i (docs/MODEL.md; M_i = S_N
         without multi-view), computed once per sentence by kernels.cross_attention.memory_kv."""
         if self.multiview is not None:
             sources, index = self.multiview.sources(views)

@@ -1,4 +1,4 @@
-"""Layer-wise multi-view decoding (SPEC §2): decoder layer i cross-attends to
+"""Layer-wise multi-view decoding (docs/MODEL.md): decoder layer i cross-attends to
 M_i = LN_i(g_i(S) + S_N) (soft integration) or M_i = g_i(S) (direct replacement)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sinusoidal positions and mvPE (SPEC §3): position p is encoded as PE(p*k)."""
+"""Sinusoidal positions and mvPE (docs/MODEL.md): position p is encoded as PE(p*k)."""
 from __future__ import annotations
 
 import torch

@@ -75,7 +75,7 @@ def parse_args(argv=None):
                    help="save the resumable state every N steps (a kill loses at most N steps), besides every evaluation")
     p.add_argument("--average-last", type=int, default=5, help="average the last k evaluated snapshots")
     p.add_argument("--init-from", type=Path, help="warm start: load this checkpoint, add new modules")
-    # architecture switches (SPEC.md)
+    # architecture switches (docs/MODEL.md, docs/GRET.md)
     p.add_argument("--post-norm", action="store_true")
     p.add_argument("--gret", default="", help="comma list of capsule,aggregate,gate (or 'full')")
     p.add_argument("--pooling", choices=("attentive", "mean"))
