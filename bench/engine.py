@@ -342,10 +342,11 @@ def main(argv=None) -> int:
     result["plot"] = plot_path.name
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, f in figures.items():
+        shares = " ".join(f"{k} {100 * v:.0f}%" for k, v in (f["time_split"] or {}).items())
         print(f"{name:24s} {f['sentences_per_s']:7.1f} sent/s {f['target_tokens_per_s']:8.1f} tok/s  "
               f"BLEU {f['bleu']:5.2f}  identical {f['identical_to_pytorch']:.3f}  "
               f"x{BASELINE if BASELINE in figures else REFERENCE} "
-              f"{f['speed_vs_' + (BASELINE if BASELINE in figures else REFERENCE)]['median']:.2f}")
+              f"{f['speed_vs_' + (BASELINE if BASELINE in figures else REFERENCE)]['median']:.2f}  {shares}")
     print(json.dumps(result["targets"], indent=2))
     return 0
 

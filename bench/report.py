@@ -72,7 +72,7 @@ def image(results: Path, name: str | None, out: Path, alt: str) -> str:
 def split(shares: dict | None) -> str:
     if not shares:
         return "—"
-    return " / ".join(f"{100 * shares[k]:.0f}%" for k in ("encode", "decoder", "search"))
+    return " / ".join(f"{100 * shares[k]:.0f}%" for k in ("encode", "decoder", "search", "cache") if k in shares)
 
 
 def engine_section(data: dict, results: Path, out: Path) -> str:
@@ -85,8 +85,9 @@ def engine_section(data: dict, results: Path, out: Path) -> str:
         "medians over batches with the interquartile range (> 1: faster than the named system)."),
         ("`-2w`: our engine as `--workers 2 --threads 1` runs it; `-2r`: CTranslate2 with 2 replicas "
          "(inter_threads) of 1 thread. The last column splits our engine's busy time: the encoder, the decoder "
-         "steps (ONNX Runtime or PyTorch) and the beam search between steps (the per-row top-k, run as ONNX "
-         "Runtime's TopK on CPU; Python bookkeeping; cache reordering). "
+         "steps (ONNX Runtime or PyTorch), the beam search between steps (the per-row top-k, run as ONNX "
+         "Runtime's TopK on CPU; the selection; finished hypotheses) and, where measured, moving the rows into "
+         "their next step's state (self-attention cache, encoder state; earlier runs count it as search). "
          "ONNX Runtime's int8 quantizes each activation matrix with one scale, so a text's int8 output can depend "
          "on the texts that share its batch; fp32 outputs never do."),
     ]
@@ -98,7 +99,7 @@ def engine_section(data: dict, results: Path, out: Path) -> str:
                      f.get("identical_to_pytorch"), split(f.get("time_split"))])
     parts.append(table(["system", "BLEU", "target tokens/s", "sentences/s", "RSS to load (MB)",
                         "RSS rise decoding (MB)", "× ct2-int8", "× pytorch", "identical to pytorch",
-                        "our engine's time: encoder / decoder steps / search"], rows))
+                        "our engine's time: encoder / decoder steps / search / cache"], rows))
     parts.append(targets_table(data.get("targets", {})))
     parts.append(image(results, data.get("plot"), out, "engine speed ratios"))
     return "\n\n".join(p for p in parts if p)

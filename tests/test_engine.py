@@ -96,6 +96,27 @@ def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     assert [h.tokens for h in long.hypotheses] == [h.tokens for h in offline(model, long.src, long.options)]
 
 
+def test_a_second_run_reuses_the_cache_storage_and_its_stale_columns_change_no_output():
+    """Resizes lay the cache out in the batch's spare storage: once it has seen the largest cache,
+    nothing is allocated, and what earlier rows left in unwritten columns stays masked."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model)
+    srcs = sources(model, [9, 4, 7], seed=3)
+    options = DecodingOptions(beam=3, max_len_b=40)
+
+    def run() -> list[list[int]]:
+        seqs = [make_seq(model, src, options) for src in srcs]
+        engine.submit(seqs)
+        engine.run_until_idle()
+        return [h.tokens for s in seqs for h in s.hypotheses]
+
+    first = run()
+    storages = {engine.batch.storage.data_ptr(), engine.batch.spare.data_ptr()}
+    assert engine.batch.storage.abs().sum() > 0  # stale keys and values, not zeros
+    assert run() == first == [h.tokens for src in srcs for h in offline(model, src, options)]
+    assert {engine.batch.storage.data_ptr(), engine.batch.spare.data_ptr()} == storages
+
+
 def test_batching_policies_give_identical_outputs():
     model = tiny_model()
     srcs = sources(model, [7, 3, 9, 5], seed=1)

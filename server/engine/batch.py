@@ -17,7 +17,10 @@ in place; only a second child of the same parent copies the parent's slot. The d
 over slots 0..n-1 (the highest in use); empty slots among them are computed and ignored, and
 are refilled first, or closed up by moving the top rows down once they are many. The storage
 grows (slots, and columns in steps of COLUMNS) as needed, gives columns back when the longest
-row leaves, and is kept when the batch empties.
+row leaves, and is kept when the batch empties. A resize lays the cache out anew in a second,
+spare storage and swaps the two: fresh memory costs a page fault per page, several times the copy.
+Both storages hold only finite numbers (a masked column's weight is 0, and 0 x NaN is NaN), so
+columns a row has not written need no zeroing: past_pad hides them whatever they hold.
 
 The search rule is training.beam's, as in training.search.beam_search: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
@@ -26,8 +29,15 @@ refill the beam; a sequence is done once it holds `beam` finished hypotheses, re
 or has no candidate left. It runs as tensor operations over all rows of all sequences at once;
 Python touches only the hypotheses that finish and the sequences that end. At its first step a
 sequence has one row (BOS), not `beam` copies.
+
+A step is two calls, timed apart by the engine: search() decides (top-k, candidates, finished
+hypotheses), advance() moves the rows into their next state (history, the self-attention cache,
+the encoder state).
 """
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +49,16 @@ from .sequence import Sequence
 from .topk import row_topk
 
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
+
+
+class Choice(NamedTuple):
+    """One step's decisions (Batch.search), for Batch.advance to apply."""
+    rows: torch.Tensor  # the rows (old indices) whose children survive, in order
+    tokens: torch.Tensor  # each child's token
+    scores: torch.Tensor  # each child's score
+    counts: torch.Tensor  # rows per sequence that goes on
+    alive: torch.Tensor  # the sequences that go on (old indices)
+    ended: list[Sequence]  # the sequences that finished
 
 
 class Batch:
@@ -54,7 +74,9 @@ class Batch:
         self.scores = torch.empty(0, dtype=torch.float32)
         self.history = torch.empty(0, COLUMNS, dtype=torch.long)
         self.slot = torch.empty(0, dtype=torch.long)
-        self.kv: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None  # a view of the front of `storage`
+        self.storage: torch.Tensor | None = None
+        self.spare: torch.Tensor | None = None  # the other storage, for the next resize
 
     @property
     def rows(self) -> int:
@@ -105,10 +127,9 @@ class Batch:
     def capacity(self) -> int:
         return self.kv.shape[1] if self.kv is not None else 0
 
-    def advance(self, log_probs: torch.Tensor, new_kv: torch.Tensor) -> list[Sequence]:
-        """Apply one step's log-probabilities (slots, V) and keys/values (2 x layers, slots, H, 1,
-        d_h), per slot as step_inputs ordered them; returns the sequences that finished (already
-        removed from the batch; their on_done is the caller's to trigger)."""
+    def search(self, log_probs: torch.Tensor) -> Choice:
+        """One step's decisions from its log-probabilities (slots, V), per slot as step_inputs
+        ordered them: finished hypotheses join their sequences, the rest is for advance()."""
         log_probs = self._constrain(log_probs.float())
         k = min(2 * int(self.beams.max()), log_probs.shape[1])
         top_log_probs, top_tokens = row_topk()(log_probs, k)
@@ -124,9 +145,15 @@ class Batch:
             seq.step = steps
         alive = (~pick.done).nonzero()[:, 0]
         kept = pick.kept.index_select(0, alive)
-        self._reorder(cand.rows[alive][kept], cand.tokens[alive][kept], cand.scores[alive][kept],
-                      kept.sum(1), alive, ended, new_kv)
-        return ended
+        return Choice(cand.rows[alive][kept], cand.tokens[alive][kept], cand.scores[alive][kept], kept.sum(1), alive,
+                      ended)
+
+    def advance(self, choice: Choice, new_kv: torch.Tensor) -> list[Sequence]:
+        """Apply search()'s choice and the step's keys/values (2 x layers, slots, H, 1, d_h); returns
+        the sequences that finished (already removed from the batch; their on_done is the caller's
+        to trigger)."""
+        self._reorder(*choice, new_kv)
+        return choice.ended
 
     def remove(self, dropped: set[int]) -> None:
         """Take sequences (by index) out of the batch without a step: cancelled or expired."""
@@ -236,8 +263,7 @@ class Batch:
         return free
 
     def _reserve(self, columns: int, slots: int) -> None:
-        """At least `columns` columns and `slots` slots (new storage is zeros: a masked key must
-        still be a finite number)."""
+        """At least `columns` columns and `slots` slots."""
         old_slots, old_width = self.capacity, self.width
         if slots <= old_slots and columns <= old_width:
             return
@@ -251,12 +277,18 @@ class Batch:
             self._resize(self.capacity, needed)
 
     def _resize(self, slots: int, width: int) -> None:
-        """New storage, with the slots in use (up to the highest in `slot`) copied over."""
-        kv = torch.zeros(2 * self.cfg.dec_layers, slots, self.n_heads, width, self.d_head, device=self.device)
+        """The cache laid out anew in the spare storage, with the slots in use (up to the highest in
+        `slot`) copied over; the spare is replaced only when too small, so each storage stays at
+        most the largest cache the batch has needed (two of them: the memory bound)."""
+        shape = (2 * self.cfg.dec_layers, slots, self.n_heads, width, self.d_head)
+        size = math.prod(shape)
+        if self.spare is None or self.spare.numel() < size:
+            self.spare = torch.zeros(size, device=self.device)  # zeros: finite, as every column must be
+        kv = self.spare[:size].view(shape)
         if self.kv is not None and len(self.slot):
             used, w = int(self.slot.max()) + 1, min(width, self.width)
             kv[:, :used, :, :w] = self.kv[:, :used, :, :w]
-        self.kv = kv
+        self.kv, self.storage, self.spare = kv, self.spare, self.storage
 
     def _close_up(self) -> None:
         """Move the rows in the highest slots down into empty ones once an eighth of the slots

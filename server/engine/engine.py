@@ -3,7 +3,8 @@
     while there is work:
         drop cancelled / expired sequences (their rows leave before the next step)
         admit waiting sequences (scheduler policy), encode them (encoder cache first), join the batch
-        one decoder step for every row of every sequence; advance each sequence's beam search
+        one decoder step for every row of every sequence; each sequence's beam-search step (search);
+        the rows, their caches included, moved on to the next step (advance)
         answer every sequence that finished
 
 Requests are submitted from any thread (the gRPC event loop); each sequence's on_done runs on
@@ -58,8 +59,9 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self.steps = 0  # decoder steps run (tests and benchmarks read it)
-        # where this loop's time goes: encoder passes, decoder steps (the backend), the search between them
-        self.seconds = {"encode": 0.0, "decoder": 0.0, "search": 0.0}
+        # where this loop's time goes: encoder passes, decoder steps (the backend), the search between
+        # them, and moving the rows into their next step's state (self-attention cache, encoder state)
+        self.seconds = {"encode": 0.0, "decoder": 0.0, "search": 0.0, "cache": 0.0}
         self.replicas: Replicas | None = None  # the group this loop belongs to, if any
 
     def queued(self) -> int:
@@ -187,11 +189,14 @@ class Engine:
         rows = self.batch.rows
         log_probs, new_kv = self.backend.step(*self.batch.step_inputs())
         stepped = time.monotonic()
-        finished = self.batch.advance(log_probs, new_kv)
+        choice = self.batch.search(log_probs)
+        searched = time.monotonic()
+        finished = self.batch.advance(choice, new_kv)
         end = time.monotonic()
         self.steps += 1
         self.seconds["decoder"] += stepped - start
-        self.seconds["search"] += end - stepped
+        self.seconds["search"] += searched - stepped
+        self.seconds["cache"] += end - searched
         self.observer.stepped(rows, end - start)
         for seq in finished:
             self._answer(seq)
