@@ -10,6 +10,7 @@ Backends:
         Vanilla and mvPE models only (export/ct2_export.py says why the others are refused)."""
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ import ctranslate2
 import onnx
 import onnxruntime
 import torch
+from safetensors import safe_open
 
 from training.checkpoint import SPM, WEIGHTS, load_checkpoint
 from training.config import Checkpoint
@@ -38,12 +40,24 @@ class RepositoryError(ValueError):
 
 
 def check_checkpoint(directory: Path) -> None:
-    if not Path(directory).is_dir():
+    """Every file of a checkpoint is there and its config.json and weights parse: a missing, truncated
+    or corrupt file is named here rather than failing somewhere inside loading or export."""
+    directory = Path(directory)
+    if not directory.is_dir():
         raise RepositoryError(f"checkpoint {directory} is not a directory")
-    missing = [f for f in CHECKPOINT_FILES if not (Path(directory) / f).exists()]
+    missing = [f for f in CHECKPOINT_FILES if not (directory / f).exists()]
     if missing:
         raise RepositoryError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)} "
                               f"(a checkpoint directory holds {', '.join(CHECKPOINT_FILES)})")
+    try:
+        json.loads((directory / "config.json").read_text())
+    except ValueError as e:
+        raise RepositoryError(f"{directory / 'config.json'} is not valid JSON: {e}") from e
+    try:
+        with safe_open(str(directory / WEIGHTS), "pt"):
+            pass
+    except Exception as e:  # safetensors raises its own error type
+        raise RepositoryError(f"{directory / WEIGHTS} is not a readable safetensors file: {e}") from e
 
 
 def write_repository(checkpoint: Path, out: Path, *, fmt: str = "onnx", quantize: str | None = None,

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from safetensors import safe_open
 
 from export.manifest import MANIFEST, TASKS, read_manifest, sha256
-from export.repository import write_repository
+from export.repository import RepositoryError, check_checkpoint, write_repository
 from export.spec import export_digest
-from training.checkpoint import SPM, WEIGHTS, load_checkpoint
+from training.checkpoint import WEIGHTS, load_checkpoint
 from training.config import Checkpoint, ModelConfig
 from training.data import INPUT_STYLES, input_style, load_sentencepiece
 
@@ -89,28 +88,14 @@ def load_entry(folder: Path, backend: str, build_cache: Path | None = None,
         return from_repository(folder, backend)
     if not is_checkpoint(folder):
         raise ModelError(f"{folder} is neither a model repository ({MANIFEST}) nor a checkpoint (config.json)")
-    check_checkpoint(folder)
+    try:
+        check_checkpoint(folder)
+    except RepositoryError as e:
+        raise ModelError(str(e)) from e
     if backend == "torch":
         return _from_checkpoint(folder)
     repo = build_repository(folder, build_cache or cache_root(), verify, backend)
     return from_repository(repo, backend, checkpoint=folder)
-
-
-def check_checkpoint(folder: Path) -> None:
-    """Every file of a checkpoint is there and its config.json and weights parse: a missing, truncated
-    or corrupt file is named here rather than failing somewhere inside loading or export."""
-    for name in ("config.json", WEIGHTS, SPM):
-        if not (folder / name).exists():
-            raise ModelError(f"{folder / name} is missing: a checkpoint holds config.json, {WEIGHTS} and {SPM}")
-    try:
-        json.loads((folder / "config.json").read_text())
-    except ValueError as e:
-        raise ModelError(f"{folder / 'config.json'} is not valid JSON: {e}") from e
-    try:
-        with safe_open(str(folder / WEIGHTS), "pt"):
-            pass
-    except Exception as e:  # safetensors raises its own error type
-        raise ModelError(f"{folder / WEIGHTS} is not a readable safetensors file: {e}") from e
 
 
 def _from_checkpoint(folder: Path) -> ModelEntry:
