@@ -87,7 +87,7 @@ class GlobalState(nn.Module):
             m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
             u = capsule_routing(torch.cat(views), pad.repeat(m, 1), self.capsule_w,
                                 self.cfg.routing_iters, self.cfg.routing_detach, self.routing_logit_scale)
-            x = self.pool(u).unflatten(0, (m, -1))
+            x = torch.stack(self.pool(u).chunk(m))  # not unflatten: an ONNX trace would fix its batch size
         if self.cfg.global_norm:
             x = self.vector_norm(x)
         return list(x.unbind(0))
