@@ -559,7 +559,8 @@ def test_after_sigkill_the_server_restarts_on_the_same_port_and_serves_the_same(
         address = server.wait_serving()
         with Client(address, timeout=120) as c:
             before = c.translate(texts, target="en")
-            in_flight = c.stub.Translate.future(request(texts * 8, beam=4, **LONG), timeout=120)
+            # long enough to be decoding still at the kill, on every core (worker processes, the default)
+            in_flight = c.stub.Translate.future(request(texts * 32, beam=4, **LONG), timeout=120)
             time.sleep(0.3)
             server.proc.send_signal(signal.SIGKILL)
             with pytest.raises(grpc.RpcError) as lost:
