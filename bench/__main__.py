@@ -1,10 +1,11 @@
-"""python -m bench engine|server|report [options]: see bench/__init__.py."""
+"""python -m bench engine|server|replicas|report [options]: see bench/__init__.py."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed", "report": "bench.report"}
+COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed",
+            "replicas": "bench.replicas", "report": "bench.report"}
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,9 @@
 
     python -m server --config server.yaml --port 50052 --batching request
 
+With no flags the server sizes itself to the machine: one engine worker process per usable
+core, one intra-op thread each, int8 where its quality was verified.
+
 Precedence: defaults < YAML < flags. Unknown YAML keys are an error (a typo must not be ignored)."""
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from .backends import BACKENDS
 from .engine.options import Limits
 from .engine.scheduler import POLICIES
 
+PRECISIONS = ("auto", "fp32", "int8")
+REPLICAS = ("process", "thread")
+
 
 @dataclass
 class ServerConfig:
@@ -27,9 +33,17 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int = 9090  # 0: no metrics endpoint
     backend: str = "onnx"  # onnx | torch | ct2
-    precision: str = "fp32"  # fp32 | int8
-    threads: int = 2  # intra-op threads per engine loop
-    workers: int = 1  # engine loops per model, each with its own running batch (uses workers x threads cores)
+    precision: str = field(default="auto", metadata={"help": (
+        "fp32 | int8 | auto (the default): int8 where the repository's int8 graphs passed the build's "
+        "verification (verified.json), else fp32")})
+    threads: int = field(default=1, metadata={"help": "intra-op threads of each engine loop (default 1)"})
+    workers: int = field(default=0, metadata={"help": (
+        "engine loops per model, each with its own running batch, using workers x threads cores; "
+        "0 (the default): one per CPU core this process may use")})
+    replicas: str = field(default="process", metadata={"help": (
+        "what runs each engine loop: process (the default; a worker process with its own model session, "
+        "so loops do not share the GIL) | thread (threads of the server process sharing one session); "
+        "the ct2 backend always uses CTranslate2's own replicas")})
     batching: str = "continuous"  # continuous | request | none
     max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
@@ -53,6 +67,10 @@ class ServerConfig:
         return Limits(max_beam=self.max_beam, max_n_best=self.max_beam, max_output_tokens=self.max_output_tokens,
                       max_texts=self.max_texts, max_text_chars=self.max_text_chars)
 
+    def loops(self) -> int:
+        """Engine loops per model: `workers`, or one per core this process may run on."""
+        return self.workers or len(os.sched_getaffinity(0))
+
     def token(self) -> str:
         return self.auth_token or os.environ.get("GRET_SERVE_TOKEN", "")
 
@@ -60,15 +78,19 @@ class ServerConfig:
         problems = []
         if self.backend not in BACKENDS:
             problems.append(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.precision not in ("fp32", "int8"):
-            problems.append(f"precision {self.precision!r} is not fp32 or int8")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.replicas not in REPLICAS:
+            problems.append(f"replicas {self.replicas!r} is not one of {', '.join(REPLICAS)}")
         if self.batching not in POLICIES:
             problems.append(f"batching {self.batching!r} is not one of {', '.join(POLICIES)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
         if self.result_cache < 0 or self.cache_mb < 0:
             problems.append("result_cache and cache_mb must not be negative")
-        for name in ("port", "threads", "workers", "max_batch_tokens", "max_queue", "max_beam", "max_texts", "max_text_chars",
+        if self.workers < 0:
+            problems.append(f"workers must not be negative (0: one per core), got {self.workers}")
+        for name in ("port", "threads", "max_batch_tokens", "max_queue", "max_beam", "max_texts", "max_text_chars",
                      "max_output_tokens", "max_message_mb"):
             if getattr(self, name) < (0 if name == "port" else 1):
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -86,12 +108,13 @@ def load(argv: list[str] | None = None, prog: str = "python -m server") -> tuple
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default) if f.default is not dataclasses.MISSING else list
+        described = f.metadata.get("help")
         if kind is bool:
-            parser.add_argument(flag, type=_boolean, metavar="true|false", default=None)
+            parser.add_argument(flag, type=_boolean, metavar="true|false", default=None, help=described)
         elif kind is list:
-            parser.add_argument(flag, nargs="*", default=None)
+            parser.add_argument(flag, nargs="*", default=None, help=described)
         else:
-            parser.add_argument(flag, type=kind, default=None)
+            parser.add_argument(flag, type=kind, default=None, help=described)
     args = parser.parse_args(argv)
     values = {}
     if args.config:

@@ -15,6 +15,7 @@ from typing import Callable
 
 from export.ct2_runtime import Ct2Translator
 from export.manifest import read_manifest
+from export.quality import TARGETS
 from kernels.encoder_cache import EncoderCache
 from training.checkpoint import load_checkpoint
 from training.config import Checkpoint
@@ -28,7 +29,8 @@ from .engine.options import DecodingOptions, Limits, OptionError
 from .engine.result_cache import ResultCache
 from .engine.scheduler import Scheduler
 from .engine.sequence import OK, Sequence
-from .models import ModelEntry, ModelError, from_repository
+from .engine.workers import WorkerReplicas, WorkerSpec
+from .models import VERIFY_FILE, ModelEntry, ModelError, from_repository
 
 log = logging.getLogger("server.pipeline")
 VERIFY_TOLERANCE = 0.5  # BLEU/ROUGE points: fp16 checkpoint -> fp32 graphs moves scores a little
@@ -38,9 +40,11 @@ class InputError(ValueError):
     """Bad texts (-> INVALID_ARGUMENT); the message says which text and which limit."""
 
 
-def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threads: int = 1, workers: int = 1):
-    """One backend for all of a model's engine replicas: an ONNX Runtime session and a PyTorch
-    module may run from several threads at once; CTranslate2 needs a replica per thread."""
+def make_backend(entry: ModelEntry | WorkerSpec, backend: str, precision: str = "fp32", threads: int = 1,
+                 workers: int = 1):
+    """One backend for all of a model's thread replicas: an ONNX Runtime session and a PyTorch
+    module may run from several threads at once; CTranslate2 needs a replica per thread. A worker
+    process builds its own from its WorkerSpec (the same name, repository and checkpoint)."""
     if backend == "onnx":
         return OnnxBackend(entry.repository, precision=precision, threads=threads)
     if backend == "ct2":
@@ -53,7 +57,8 @@ def make_backend(entry: ModelEntry, backend: str, precision: str = "fp32", threa
 
 
 class Pipeline:
-    def __init__(self, entry: ModelEntry, engine: Engine | Replicas, limits: Limits, backend: str, precision: str):
+    def __init__(self, entry: ModelEntry, engine: Engine | Replicas | WorkerReplicas, limits: Limits, backend: str,
+                 precision: str):
         self.entry, self.engine, self.limits = entry, engine, limits
         self.backend, self.precision = backend, precision
         self.summarize = entry.task == "summarize"
@@ -135,12 +140,21 @@ class Pipeline:
 def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "fp32", threads: int = 1,
                    policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
                    cache_bytes: int = 256 << 20, limits: Limits = Limits(),
-                   observer: Observer | None = None, workers: int = 1, result_cache: int = 0) -> Pipeline:
-    """`workers` engine loops (Replicas) of `threads` intra-op threads each; the batch budget
-    and the queue are per replica, the queue split so that the model still queues max_queue."""
-    model = make_backend(entry, backend, precision, threads, workers)
+                   observer: Observer | None = None, workers: int = 1, result_cache: int = 0,
+                   replicas: str = "thread") -> Pipeline:
+    """`workers` engine loops of `threads` intra-op threads each: threads of this process sharing
+    one backend (Replicas), or worker processes with a backend each (WorkerReplicas; the encoder
+    cache split between them). The batch budget and the queue are per loop, the queue split so
+    that the model still queues max_queue. The result cache stays here, in front of the loops."""
+    precision = resolve_precision(entry, precision)
     queue = -(-max_queue // workers)
     results = ResultCache(result_cache)
+    if replicas == "process" and backend != "ct2":
+        make_backend(entry, backend, precision, threads)  # opened once here: a broken model stops the start
+        spec = WorkerSpec(entry.name, entry.version, entry.repository, entry.checkpoint, backend, precision, threads,
+                          policy, max_batch_tokens, queue, cache_bytes // workers)
+        return Pipeline(entry, WorkerReplicas(spec, workers, results, observer), limits, backend, precision)
+    model = make_backend(entry, backend, precision, threads, workers)
     if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
         cache = EncoderCache(0)
         engines = [Ct2Engine(model, entry.version, Scheduler("request", max_batch_tokens, queue), cache, observer,
@@ -152,9 +166,22 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
     return Pipeline(entry, engines[0] if workers == 1 else Replicas(engines), limits, backend, precision)
 
 
+def resolve_precision(entry: ModelEntry, precision: str) -> str:
+    """auto: int8 where the build's verification found the int8 graphs as good as fp32
+    (verified.json, see verify_build), else fp32: an unchecked quantisation is never a default."""
+    if precision != "auto":
+        return precision
+    verified = entry.repository / VERIFY_FILE if entry.repository else None
+    if verified is not None and verified.exists() and json.loads(verified.read_text()).get("int8", {}).get("verified"):
+        return "int8"
+    return "fp32"
+
+
 def verify_build(checkpoint: Path, repo: Path, threads: int = 2) -> dict:
     """The exported repository, served by this engine, must reproduce the validation score that
-    training.ship recorded for the checkpoint (metrics.json: first split, beam 4)."""
+    training.ship recorded for the checkpoint (metrics.json: first split, beam 4). Its int8 graphs
+    are scored too; they are verified (and `--precision auto` serves them) if they lose at most
+    export.quality's int8 target against fp32."""
     from training.data import load_examples  # evaluation-only imports
     from training.metrics import bleu, rouge
 
@@ -168,15 +195,24 @@ def verify_build(checkpoint: Path, repo: Path, threads: int = 2) -> dict:
     metric = "bleu" if data.task == "translate" else "rouge1"
     examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
     offline = Limits(max_texts=len(examples), max_text_chars=1 << 20)  # a whole split, long articles too
-    backend = read_manifest(repo, verify=False)["backend"]
-    pipeline = build_pipeline(from_repository(repo, backend, checkpoint), backend, threads=threads, limits=offline)
-    start = time.monotonic()
-    hyps = pipeline.decode([e.source for e in examples], DecodingOptions(beam=recorded.get("beam", 4)), truncate=True)
+    manifest = read_manifest(repo, verify=False)
+    backend = manifest["backend"]
+    entry = from_repository(repo, backend, checkpoint)
     refs = [e.refs for e in examples]
-    measured = bleu(hyps, refs) if metric == "bleu" else rouge(hyps, refs)[metric]
+
+    def score(precision: str) -> float:
+        pipeline = build_pipeline(entry, backend, precision, threads=threads, limits=offline)
+        hyps = pipeline.decode([e.source for e in examples], DecodingOptions(beam=recorded.get("beam", 4)),
+                               truncate=True)
+        return round(bleu(hyps, refs) if metric == "bleu" else rouge(hyps, refs)[metric], 2)
+
+    start = time.monotonic()
+    measured = score("fp32")
     result = {"verified": True, "split": split, "metric": metric, "recorded": expected[metric],
-              "measured": round(measured, 2), "tolerance": VERIFY_TOLERANCE,
-              "seconds": round(time.monotonic() - start, 1)}
+              "measured": measured, "tolerance": VERIFY_TOLERANCE, "seconds": round(time.monotonic() - start, 1)}
+    if "int8" in manifest[backend]["precisions"]:
+        int8 = score("int8")
+        result["int8"] = {"measured": int8, "verified": int8 >= measured - TARGETS["int8_bleu_drop"]}
     log.info("model %s: ONNX build verified on %s: %s %.2f (recorded %.2f), %.0f s", checkpoint.name, split, metric,
              result["measured"], result["recorded"], result["seconds"])
     if abs(result["measured"] - result["recorded"]) > VERIFY_TOLERANCE:

@@ -38,7 +38,8 @@ class Registry:
                 pipeline = build_pipeline(
                     entry, config.backend, config.precision, config.threads, config.batching,
                     config.max_batch_tokens, config.max_queue, cache_bytes, config.limits(),
-                    metrics.observer(entry.name) if metrics else None, config.workers, config.result_cache)
+                    metrics.observer(entry.name) if metrics else None, config.loops(), config.result_cache,
+                    config.replicas)
             except Exception as e:  # whatever breaks loading (safetensors, ONNX Runtime, ...) is this folder's problem
                 problem = str(e) if isinstance(e, ModelError) else f"{folder}: {type(e).__name__}: {e}"
                 if not config.skip_bad_models:
@@ -47,9 +48,10 @@ class Registry:
                 failures.append(folder)
                 continue
             pipelines.append(pipeline)
-            log.info("loaded model %s (version %s, %s %s->%s, %s, backend %s %s)", entry.name, entry.version,
-                     entry.task, entry.source_language, entry.target_language, entry.architecture, config.backend,
-                     config.precision)
+            log.info("loaded model %s (version %s, %s %s->%s, %s, backend %s %s, %d %s replicas x %d threads)",
+                     entry.name, entry.version, entry.task, entry.source_language, entry.target_language,
+                     entry.architecture, config.backend, pipeline.precision, config.loops(), config.replicas,
+                     config.threads)
             if metrics:
                 metrics.add_model(pipeline)
         if not pipelines:

@@ -65,10 +65,11 @@ class RunningServer:
 
 def config_for(models_dir: Path, cache: Path, **overrides) -> ServerConfig:
     """A loopback server's config. The result cache is off unless asked for: the tests send the
-    same texts again and again, and each call must exercise the engine."""
+    same texts again and again, and each call must exercise the engine. One engine loop on a
+    thread unless asked for: tests reach into it (tests/test_workers.py covers worker processes)."""
     return ServerConfig(**{"models_dir": str(models_dir), "host": "127.0.0.1", "port": 0, "metrics_port": 0,
-                           "threads": 1, "build_cache": str(cache), "grace_seconds": 5.0, "result_cache": 0,
-                           **overrides}).check()
+                           "threads": 1, "workers": 1, "replicas": "thread", "build_cache": str(cache),
+                           "grace_seconds": 5.0, "result_cache": 0, **overrides}).check()
 
 
 class ServerProcess:

@@ -622,7 +622,7 @@ def test_sigterm_flips_readiness_finishes_every_call_in_flight_refuses_new_ones_
     metrics_port = free_port()
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
                            "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--grace-seconds", 30,
-                           "--max-batch-tokens", 6000, "--build-cache", tmp_path,
+                           "--max-batch-tokens", 6000, "--workers", 1, "--build-cache", tmp_path,
                            *DECODE_REPEATS)
     try:
         address = server.wait_serving()
@@ -655,7 +655,7 @@ def test_calls_still_running_when_the_grace_period_ends_get_unavailable_and_the_
                                                                                                  tmp_path):
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
                            "--port", 0, "--metrics-port", 0, "--threads", 1, "--grace-seconds", 1,
-                           "--max-batch-tokens", 6000, "--build-cache", tmp_path,
+                           "--max-batch-tokens", 6000, "--workers", 1, "--build-cache", tmp_path,
                            *DECODE_REPEATS)
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving()))
@@ -684,7 +684,8 @@ def test_after_sigkill_the_server_restarts_on_the_same_port_and_serves_the_same(
         address = server.wait_serving()
         with Client(address, timeout=120) as c:
             before = c.translate(texts, target="en")
-            in_flight = c.stub.Translate.future(request(texts * 8, beam=4, **LONG), timeout=120)
+            # long enough to be decoding still at the kill, on every core (worker processes, the default)
+            in_flight = c.stub.Translate.future(request(texts * 32, beam=4, **LONG), timeout=120)
             time.sleep(0.3)
             server.proc.send_signal(signal.SIGKILL)
             with pytest.raises(grpc.RpcError) as lost:

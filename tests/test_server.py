@@ -220,7 +220,8 @@ def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp
     assert 'gret_serve_requests_total{code="OK",method="Translate",model="tiny-de-en"} 1.0' in body
     assert 'gret_serve_requests_total{code="INVALID_ARGUMENT",method="Translate",model=""} 2.0' in body
     assert deadline_line in body
-    assert 'gret_serve_texts_total{model="tiny-de-en",status="ok"} 1.0' in body
+    ok = re.search(r'gret_serve_texts_total\{model="tiny-de-en",status="ok"\} (\d+)', body)
+    assert ok and int(ok.group(1)) >= 1  # the first call's text, and any of the hurried call's that finished in time
     misses = re.search(r'gret_serve_encoder_cache_misses_total\{model="tiny-de-en"\} (\d+)', body)
     assert misses and int(misses.group(1)) >= 1  # the hurried call may have encoded some of its texts
     assert "gret_serve_rows_per_step_bucket" in body and "gret_serve_model_info{" in body

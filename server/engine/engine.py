@@ -12,6 +12,7 @@ this thread, so it must only hand the result over (e.g. loop.call_soon_threadsaf
 
 Replicas runs several such loops over one model (CTranslate2's inter_threads, Triton's instance
 count): each has its own running batch and thread, the backend and the encoder cache are shared.
+They share the GIL too; server.engine.workers runs each loop in its own process instead.
 """
 from __future__ import annotations
 
@@ -238,10 +239,21 @@ def answer_cached(hits: list[tuple[Sequence, list]], observer: Observer) -> None
         seq.finish(OK, observe=observer.finished)
 
 
+def spread(seqs: list[Sequence], loads: list[int]) -> list[list[Sequence]]:
+    """One share per replica: each text goes to the replica with the least budget waiting and
+    running (`loads`, plus what this request already gave it), so one large request uses them all."""
+    loads = list(loads)
+    shares: list[list[Sequence]] = [[] for _ in loads]
+    for seq in seqs:
+        i = loads.index(min(loads))
+        shares[i].append(seq)
+        loads[i] += seq.rows_budget
+    return shares
+
+
 class Replicas:
-    """`len(engines)` engine loops serving one model. A request's texts are spread one by one over
-    the replicas, each to the one with the least work, so one large request uses every replica.
-    The same interface as one Engine."""
+    """`len(engines)` engine loops serving one model, on threads of this process. A request's texts
+    are spread over the replicas (spread). The same interface as one Engine."""
 
     def __init__(self, engines: list[Engine]):
         self.engines = engines
@@ -271,12 +283,7 @@ class Replicas:
             if not self.engines[0].accepting:
                 raise Draining(f"model {self.engines[0].name} is shutting down")
             hits, seqs = split_cached(self.results, self.engines[0].version, seqs)
-            loads = [e.load() for e in self.engines]
-            shares: list[list[Sequence]] = [[] for _ in self.engines]
-            for seq in seqs:
-                i = loads.index(min(loads))
-                shares[i].append(seq)
-                loads[i] += seq.rows_budget
+            shares = spread(seqs, [e.load() for e in self.engines])
             waiting = [len(e.scheduler) for e in self.engines]
             if any(n + len(share) > e.scheduler.max_waiting for e, n, share in zip(self.engines, waiting, shares)):
                 capacity = sum(e.scheduler.max_waiting for e in self.engines)

@@ -1,0 +1,371 @@
+"""Engine loops in worker processes: replicas that do not share a GIL.
+
+Thread replicas (engine.Replicas) share one interpreter, so the beam search between decoder
+steps, which is Python, runs one loop at a time. Here each replica is a process, started with
+`spawn` (the parent runs gRPC threads; a fork would copy their locks), that loads the model
+repository itself (the ONNX files are read-only) and runs an unchanged Engine on its own thread.
+Parent and worker exchange small messages over a pipe, never a model:
+
+    parent -> worker   ("submit", [Job])   ("cancel", [sequence id])   ("stop", None)
+    worker -> parent   ("ready", None)   ("queued", n)   ("encoded", (n, seconds, cache stats))
+                       ("stepped", (rows, seconds, steps, seconds by phase))   ("done", Outcome)
+
+The parent keeps what the service sees: the Sequences (their on_done runs on the worker's
+supervisor thread), the result cache (consulted before dispatch, so repeats never reach a
+worker) and the metrics observer (fed with the workers' reports). A worker that exits fails its
+texts with UNAVAILABLE and is started again. time.monotonic is the system-wide CLOCK_MONOTONIC
+on Linux, so deadlines and timings cross the process boundary unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine import Draining, Observer, answer_cached, split_cached, spread
+from .options import DecodingOptions
+from .result_cache import ResultCache, result_key
+from .scheduler import QueueFull
+from .sequence import OK, UNAVAILABLE, Hypothesis, Sequence
+
+log = logging.getLogger("server.engine.workers")
+
+RESTART_DELAY_S = 1.0  # a worker that dies at once must not be restarted in a tight loop
+
+
+class NoWorker(Draining):
+    """Every worker of the model is (re)starting: UNAVAILABLE, like draining, so clients retry."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its own backend and engine: paths and settings."""
+    name: str
+    version: str
+    repository: Path | None
+    checkpoint: Path | None
+    backend: str
+    precision: str
+    threads: int
+    policy: str
+    max_batch_tokens: int
+    max_queue: int  # per worker
+    cache_bytes: int  # per worker
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    src: list[int]
+    options: DecodingOptions
+    max_len: int
+    tags: list[int] | None
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    id: int
+    status: str
+    message: str
+    finished: list[Hypothesis]
+    step: int
+    admitted: float | None
+    encoded: float | None
+    cache_hit: bool
+
+
+# ---- the parent's side ----------------------------------------------------------------------------
+class WorkerReplicas:
+    """`count` worker processes serving one model, with the interface of one Engine. A request's
+    texts are spread over the workers as engine.Replicas spreads them over threads; the queue
+    bound counts every text a worker holds, waiting or decoding."""
+
+    def __init__(self, spec: WorkerSpec, count: int, results: ResultCache | None = None,
+                 observer: Observer | None = None):
+        self.spec, self.name, self.version = spec, spec.name, spec.version
+        self.results = results if results is not None else ResultCache(0)
+        self.observer = observer or Observer()
+        self.workers = [Worker(self, i) for i in range(count)]
+        self.cache = ReportedCache(self.workers)
+        self.accepting = True
+        self.stopping = False
+        self.lock = threading.Lock()  # pending texts and the pipes: one submission at a time
+
+    @property
+    def steps(self) -> int:
+        return sum(w.steps for w in self.workers)
+
+    @property
+    def seconds(self) -> dict[str, float]:  # process-seconds, summed over the workers
+        return {k: sum(w.seconds[k] for w in self.workers) for k in self.workers[0].seconds}
+
+    def queued(self) -> int:
+        return sum(w.waiting for w in self.workers)
+
+    def start(self, timeout: float = 300) -> "WorkerReplicas":
+        """Starts every worker and waits until each has loaded the model."""
+        for w in self.workers:
+            w.thread.start()
+        for w in self.workers:
+            if not w.started.wait(timeout) or w.error:
+                self.stop(0)
+                raise RuntimeError(w.error or f"engine worker {w.index} of model {self.name} did not start "
+                                   f"within {timeout:.0f} s")
+        return self
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        with self.lock:
+            if not self.accepting:
+                raise Draining(f"model {self.name} is shutting down")
+            hits, seqs = split_cached(self.results, self.version, seqs)
+            live = [w for w in self.workers if w.ready.is_set()]
+            if seqs and not live:
+                raise NoWorker(f"model {self.name}: every engine worker is restarting; retry shortly")
+            shares = spread(seqs, [w.load() for w in live])
+            held = [len(w.pending) for w in live]
+            if any(n + len(share) > self.spec.max_queue for n, share in zip(held, shares)):
+                capacity = self.spec.max_queue * len(live)
+                raise QueueFull(f"the queue holds {sum(held)} texts and admits at most {capacity}; "
+                                f"this request has {len(seqs)}: retry later")
+            for w, share in zip(live, shares):
+                if share:
+                    w.pending.update((s.id, s) for s in share)
+                    w.send("submit", [Job(s.id, s.src, s.options, s.max_len, s.tags, s.deadline) for s in share])
+        answer_cached(hits, self.observer)
+
+    def wake(self) -> None:
+        """Tell the workers which of their texts were cancelled: they leave at the next step."""
+        with self.lock:
+            for w in self.workers:
+                cancelled = [i for i, s in w.pending.items() if s.cancelled]
+                if cancelled:
+                    w.send("cancel", cancelled)
+
+    def drain(self) -> None:
+        with self.lock:
+            self.accepting = False
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new work; each worker fails what it holds with UNAVAILABLE and exits."""
+        with self.lock:
+            self.accepting, self.stopping = False, True
+            for w in self.workers:
+                if w.conn is not None:
+                    w.send("stop", None)
+        for w in self.workers:
+            if w.thread.is_alive():
+                w.thread.join(timeout)
+            if w.process is not None and w.process.is_alive():
+                w.process.kill()
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not any(w.pending for w in self.workers)
+
+    def run_until_idle(self) -> None:
+        """Offline: wait (the workers decode) until nothing is queued or running."""
+        while not self.idle():
+            time.sleep(0.002)
+
+    def finish(self, seq: Sequence, outcome: Outcome) -> None:
+        """Settle a parent-side sequence with its worker's outcome: recorded (result cache, metrics)
+        before the client hears of it, as the engine does."""
+        seq.step, seq.admitted, seq.encoded, seq.cache_hit = (outcome.step, outcome.admitted, outcome.encoded,
+                                                              outcome.cache_hit)
+        seq.finished = list(outcome.finished)
+
+        def record(s: Sequence) -> None:
+            if s.status == OK:
+                self.results.put(result_key(self.version, s), s.hypotheses)
+            self.observer.finished(s)
+
+        seq.finish(outcome.status, outcome.message, record)
+
+
+class Worker:
+    """One worker slot: the process, the parent's view of it (texts it holds, what it last
+    reported), and a supervisor thread that starts the process, reads its reports, and starts it
+    again when it exits."""
+
+    def __init__(self, group: WorkerReplicas, index: int):
+        self.group, self.index = group, index
+        self.pending: dict[int, Sequence] = {}  # by id; changed under group.lock
+        self.waiting, self.steps = 0, 0
+        self.seconds = {"encode": 0.0, "decoder": 0.0, "search": 0.0}
+        self.cache_stats: dict[str, int] = {}
+        self.process = self.conn = None
+        self.ready = threading.Event()  # the worker takes texts
+        self.started = threading.Event()  # the first start succeeded or failed (error)
+        self.error = ""
+        self.thread = threading.Thread(target=self._supervise, daemon=True, name=f"worker-{group.name}-{index}")
+
+    def load(self) -> int:
+        return sum(s.rows_budget for s in self.pending.values())
+
+    def send(self, kind: str, body) -> None:
+        """Under group.lock. A dead worker's pipe refuses: its supervisor fails what it held."""
+        try:
+            self.conn.send((kind, body))
+        except OSError:
+            pass
+
+    def _supervise(self) -> None:
+        while not self.group.stopping:
+            context = multiprocessing.get_context("spawn")
+            self.conn, child = context.Pipe()
+            self.process = context.Process(target=serve, args=(self.group.spec, child), daemon=True,
+                                           name=f"engine-{self.group.name}-{self.index}")
+            self.process.start()
+            child.close()  # so that the worker's exit reads as EOF here
+            try:
+                while True:
+                    self._handle(*self.conn.recv())
+            except (EOFError, OSError):
+                pass
+            self.process.join()
+            self.conn.close()
+            self._lost(self.process.exitcode)
+            if not self.started.is_set():  # it never loaded: a broken setup, not a crash to retry
+                self.error = (f"engine worker {self.index} of model {self.group.name} failed to start "
+                              f"(exit code {self.process.exitcode}); its log is above")
+                self.started.set()
+                return
+            if not self.group.stopping:
+                time.sleep(RESTART_DELAY_S)
+
+    def _lost(self, exitcode: int | None) -> None:
+        group = self.group
+        with group.lock:
+            self.ready.clear()
+            lost, self.pending = list(self.pending.values()), {}
+            self.waiting = 0
+        if group.stopping:
+            message = f"model {group.name} stopped before this text was decoded"
+        else:
+            message = (f"engine worker {self.index} of model {group.name} exited (exit code {exitcode}) "
+                       "before this text was decoded; it is being restarted: retry")
+            log.error("engine worker %d of model %s exited (exit code %s): %d texts failed with UNAVAILABLE",
+                      self.index, group.name, exitcode, len(lost))
+        for seq in lost:
+            seq.finish(UNAVAILABLE, message, group.observer.finished)
+        group.observer.queue_depth(group.queued())
+
+    def _handle(self, kind: str, body) -> None:
+        group = self.group
+        if kind == "done":
+            with group.lock:
+                seq = self.pending.pop(body.id, None)
+            if seq is not None:
+                group.finish(seq, body)
+        elif kind == "stepped":
+            rows, seconds, self.steps, self.seconds = body
+            group.observer.stepped(rows, seconds)
+        elif kind == "encoded":
+            n, seconds, self.cache_stats = body
+            group.observer.encoded(n, seconds)
+        elif kind == "queued":
+            self.waiting = body
+            group.observer.queue_depth(group.queued())
+        elif kind == "ready":
+            self.ready.set()
+            self.started.set()
+
+
+class ReportedCache:
+    """The workers' encoder caches as the metrics read one: the sum of what each last reported."""
+
+    def __init__(self, workers: list[Worker]):
+        self.workers = workers
+
+    def stats(self) -> dict[str, int]:
+        total = Counter({"entries": 0, "bytes": 0, "hits": 0, "misses": 0, "evictions": 0})
+        for w in self.workers:
+            total.update(w.cache_stats)
+        return dict(total)
+
+
+# ---- the worker's side ----------------------------------------------------------------------------
+class Reporter(Observer):
+    """The worker engine's reports, sent to the parent (whose observer feeds the metrics).
+    Finished texts are reported by on_done instead: the parent records them itself."""
+
+    def __init__(self, send):
+        self.send, self.engine, self.waiting = send, None, None
+
+    def queue_depth(self, n: int) -> None:
+        if n != self.waiting:  # it is reported at every step: send changes only
+            self.waiting = n
+            self.send("queued", n)
+
+    def encoded(self, n_sequences: int, seconds: float) -> None:
+        self.send("encoded", (n_sequences, seconds, self.engine.cache.stats()))
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        self.send("stepped", (rows, seconds, self.engine.steps, dict(self.engine.seconds)))
+
+
+def serve(spec: WorkerSpec, conn) -> None:
+    """The worker process: load the model, start the engine loop, then turn the parent's messages
+    into engine calls until it says stop or goes away."""
+    import torch
+
+    from kernels.encoder_cache import EncoderCache
+
+    from ..pipeline import make_backend
+    from .engine import Engine
+    from .scheduler import Scheduler
+
+    torch.set_num_threads(1)  # torch only does the engine's bookkeeping (server/__main__.py)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent drains and stops us
+    # Reports leave through one sender thread, so the engine never blocks on the pipe (while it
+    # holds its lock, a blocked send could wait on a parent that waits on this worker).
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def forward() -> None:
+        while (message := outbox.get()) is not None:
+            conn.send(message)
+
+    def send(kind: str, body) -> None:
+        outbox.put((kind, body))
+
+    def on_done(seq: Sequence) -> None:
+        live.pop(seq.id, None)
+        send("done", Outcome(seq.id, seq.status, seq.message, seq.finished, seq.step, seq.admitted, seq.encoded,
+                             seq.cache_hit))
+
+    sender = threading.Thread(target=forward, daemon=True)
+    sender.start()
+    reporter = Reporter(send)
+    engine = Engine(make_backend(spec, spec.backend, spec.precision, spec.threads), spec.version,
+                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue), EncoderCache(spec.cache_bytes),
+                    reporter, spec.name)
+    reporter.engine = engine
+    live: dict[int, Sequence] = {}
+    engine.start()
+    send("ready", None)
+    while True:
+        try:
+            kind, body = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if kind == "stop":
+            break
+        if kind == "submit":
+            seqs = [Sequence(j.src, j.options, j.max_len, on_done, tags=j.tags, deadline=j.deadline, id=j.id)
+                    for j in body]
+            live.update((s.id, s) for s in seqs)
+            engine.enqueue(seqs)
+        elif kind == "cancel":
+            for seq in filter(None, map(live.get, body)):
+                seq.cancelled = True
+            engine.wake()
+    engine.stop()
+    outbox.put(None)
+    sender.join(10)

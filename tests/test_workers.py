@@ -1,0 +1,221 @@
+"""Engine loops in worker processes (server.engine.workers), on a tiny model served for real
+(the vanilla checkpoint, exported on first start; the GRET model runs in worker processes in
+tests/test_reliability.py, whose `python -m server` runs take the defaults):
+the same answers as one loop, the parent's metrics and result cache, cancellation, deadlines,
+a worker killed mid-call, drain and stop, and the defaults that pick them."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from proto import gret_serve_pb2 as pb
+from proto import gret_serve_pb2_grpc as pb_grpc
+from server.config import ServerConfig
+from server.engine.engine import Draining
+from server.engine.options import DecodingOptions
+from server.engine.scheduler import QueueFull
+from server.engine.sequence import CANCELLED, DEADLINE, OK
+from server.models import VERIFY_FILE, from_repository, load_entry
+from server.pipeline import build_pipeline, resolve_precision
+from tests.served import RunningServer, config_for
+from training.data import load_examples
+
+CODE = grpc.StatusCode
+MODEL = "tiny-en-de"
+LONG = dict(max_length_ratio=10, max_length=128, min_length=128)  # 128 steps whatever the source
+
+
+def english(n: int, offset: int) -> list[str]:
+    return [e.source for e in load_examples("multi30k", "val", "en", "de")[offset: offset + n]]
+
+
+def request(texts, beam, **options):
+    return pb.TranslateRequest(texts=texts, target_language="de", options=pb.DecodingOptions(beam_size=beam, **options))
+
+
+def best(response) -> list[str]:
+    return [r.hypotheses[0].text for r in response.results]
+
+
+def wait_until(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+class Recorder:
+    """Wraps the group's observer: what the parent hears from its workers, in arrival order."""
+
+    def __init__(self, observer):
+        self.observer, self.events, self.lock = observer, [], threading.Lock()
+
+    def stepped(self, rows, seconds):
+        self.observer.stepped(rows, seconds)
+        with self.lock:
+            self.events.append(("stepped", rows))
+
+    def finished(self, seq):
+        self.observer.finished(seq)
+        with self.lock:
+            self.events.append(("finished", seq))
+
+    def __getattr__(self, name):
+        return getattr(self.observer, name)
+
+
+@pytest.fixture(scope="module")
+def build_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("build-cache")
+
+
+@pytest.fixture(scope="module")
+def servers(served_models, build_cache):
+    """(worker processes: 2, result cache on; one thread loop: the reference)"""
+    processes = RunningServer(config_for(served_models, build_cache, models=[MODEL], workers=2, replicas="process",
+                                         result_cache=1000))
+    thread = RunningServer(config_for(served_models, build_cache, models=[MODEL]))
+    yield processes, thread
+    processes.stop()
+    thread.stop()
+
+
+@pytest.fixture
+def group(servers):
+    return servers[0].registry.pipelines[MODEL].engine
+
+
+@pytest.fixture
+def recorder(group):
+    group.observer = recorder = Recorder(group.observer)
+    yield recorder
+    group.observer = recorder.observer
+
+
+def stub(server: RunningServer):
+    return pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+
+
+def sample(server: RunningServer, name: str, **labels) -> float:
+    return server.metrics.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0
+
+
+def test_worker_processes_answer_as_one_thread_loop_does_and_the_parent_counts_their_work(servers, group):
+    processes, thread = servers
+    texts = english(12, offset=100)
+    before = {name: sample(processes, name) for name in ("gret_serve_decoded_rows_total",
+                                                         "gret_serve_encoder_cache_misses_total")}
+    got = stub(processes).Translate(request(texts, beam=3), timeout=120)
+    assert best(got) == best(stub(thread).Translate(request(texts, beam=3), timeout=120))
+    assert all(w.steps > 0 for w in group.workers)  # the call was spread over both processes
+    assert len({w.process.pid for w in group.workers} | {os.getpid()}) == 3
+    assert sample(processes, "gret_serve_texts_total", status=OK) >= 12
+    assert sample(processes, "gret_serve_decoded_rows_total") > before["gret_serve_decoded_rows_total"]
+    assert sample(processes, "gret_serve_encoder_cache_misses_total") >= \
+        before["gret_serve_encoder_cache_misses_total"] + 12
+    assert sample(processes, "gret_serve_queue_depth") == 0 and group.idle()
+
+
+def test_a_repeated_request_is_answered_in_the_parent_and_never_reaches_a_worker(servers, group):
+    processes, _ = servers
+    call = request(english(4, offset=120), beam=2)
+    first = stub(processes).Translate(call, timeout=0.5)
+    steps = [w.steps for w in group.workers]
+    hits = sample(processes, "gret_serve_result_cache_hits_total")
+    again = stub(processes).Translate(call, timeout=0.5)
+    assert best(again) == best(first) and all(r.result_cache_hit for r in again.results)
+    assert [w.steps for w in group.workers] == steps
+    assert sample(processes, "gret_serve_result_cache_hits_total") == hits + 4
+
+
+def test_a_cancelled_call_leaves_the_workers_batches_and_the_other_call_is_unaffected(servers, recorder):
+    processes, _ = servers
+    other = request(english(1, offset=140), beam=1, **LONG)
+    alone = stub(processes).Translate(other, timeout=120)
+    running = stub(processes).Translate.future(other, timeout=120)
+    cancelled = stub(processes).Translate.future(request(english(32, offset=150), beam=8, **LONG), timeout=120)
+    wait_until(lambda: any(kind == "stepped" and rows > 8 for kind, rows in list(recorder.events)))
+    cancelled.cancel()
+
+    def gone() -> list:
+        return [s for kind, s in list(recorder.events) if kind == "finished" and s.status == CANCELLED]
+
+    wait_until(lambda: len(gone()) == 32)
+    assert best(running.result()) == best(alone)
+    events = list(recorder.events)
+    assert all(s.step < s.max_len for s in gone()) and any(s.step > 0 for s in gone())  # dropped mid-decode
+    last = max(i for i, (kind, s) in enumerate(events) if kind == "finished" and s.status == CANCELLED)
+    assert {rows for kind, rows in events[last:] if kind == "stepped"} <= {1}  # only the other call's row
+
+
+def test_an_expired_call_leaves_the_workers_batches(servers, recorder):
+    processes, _ = servers
+    call = request(english(128, offset=300), beam=8, **LONG)  # ten rounds of 128 steps: seconds of work
+    with pytest.raises(grpc.RpcError) as info:
+        stub(processes).Translate(call, timeout=1.5)
+    assert info.value.code() == CODE.DEADLINE_EXCEEDED
+    wait_until(lambda: sum(1 for kind, s in list(recorder.events) if kind == "finished") == 128)
+    ended = [s for kind, s in recorder.events if kind == "finished"]
+    gone = [s for s in ended if s.status != OK]  # texts of the first rounds may finish in time
+    assert gone and {s.status for s in gone} <= {CANCELLED, DEADLINE} and all(s.step < s.max_len for s in gone)
+
+
+def test_a_worker_that_dies_fails_its_texts_with_unavailable_and_is_started_again(servers, group, recorder):
+    processes, thread = servers
+    call = stub(processes).Translate.future(request(english(16, offset=230), beam=8, **LONG), timeout=120)
+    wait_until(lambda: any(kind == "stepped" and rows > 8 for kind, rows in list(recorder.events)))
+    victim = group.workers[0]
+    pid = victim.process.pid
+    os.kill(pid, signal.SIGKILL)
+    error = call.exception(60)
+    assert error.code() == CODE.UNAVAILABLE and "exited (exit code -9)" in error.details()
+    wait_until(lambda: victim.ready.is_set() and victim.process.pid != pid, timeout=120)
+    texts = english(6, offset=250)
+    assert best(stub(processes).Translate(request(texts, beam=2), timeout=120)) == \
+        best(stub(thread).Translate(request(texts, beam=2), timeout=120))
+
+
+def test_drain_finishes_the_queued_texts_and_refuses_new_ones_and_stop_ends_the_workers(served_models, build_cache,
+                                                                                       servers):
+    entry = load_entry(served_models / MODEL, "onnx", build_cache)
+    pipeline = build_pipeline(entry, "onnx", workers=2, replicas="process", max_queue=8)
+    group = pipeline.engine.start()
+    try:
+        options = DecodingOptions(beam=2)
+        with pytest.raises(QueueFull, match="admits at most 8; this request has 9"):
+            group.submit(pipeline.sequences(english(9, offset=500), options, on_done=lambda s: None))
+        seqs = pipeline.sequences(english(4, offset=500), options, on_done=lambda s: None)  # fits however spread
+        group.submit(seqs)
+        group.drain()
+        with pytest.raises(Draining):
+            group.submit(pipeline.sequences(english(1, offset=510), options, on_done=lambda s: None))
+        group.run_until_idle()
+        assert [s.status for s in seqs] == [OK] * 4
+        assert [pipeline.texts(s)[0] for s in seqs] == build_pipeline(entry, "onnx").decode(english(4, offset=500),
+                                                                                           options)
+    finally:
+        group.stop(30)
+    assert [w.process.exitcode for w in group.workers] == [0, 0]
+
+
+def test_with_no_flags_a_server_runs_a_worker_process_per_core_with_one_thread_each():
+    config = ServerConfig()
+    assert (config.replicas, config.threads, config.precision) == ("process", 1, "auto")
+    assert config.loops() == len(os.sched_getaffinity(0))
+    assert ServerConfig(workers=3).loops() == 3
+
+
+def test_auto_precision_is_int8_only_where_the_build_verified_the_int8_graphs(served_models, tmp_path):
+    repo = shutil.copytree(served_models / "tiny-de-en", tmp_path / "tiny-de-en")
+    assert resolve_precision(from_repository(repo, "onnx"), "auto") == "fp32"  # never verified
+    for verified, chosen in ((False, "fp32"), (True, "int8")):
+        (repo / VERIFY_FILE).write_text(json.dumps({"verified": True, "int8": {"verified": verified}}))
+        assert resolve_precision(from_repository(repo, "onnx"), "auto") == chosen
+    assert resolve_precision(from_repository(repo, "onnx"), "fp32") == "fp32"
