@@ -5,7 +5,7 @@
 #   bash training/runs.sh study   # Multi30K de->en ablation study
 #   bash training/runs.sh ship    # summarisation, en->de, then the study's Graph and GRET-from-scratch runs and their control
 #   bash training/runs.sh giga-vocab  # Gigaword with a 4000-piece vocabulary, from scratch
-#   bash training/runs.sh gret-a & bash training/runs.sh gret-b   # GRET's scale switches (docs/GRET.md)
+#   bash training/runs.sh gret-a & bash training/runs.sh gret-b & bash training/runs.sh gret-c   # GRET's scale switches (docs/GRET.md)
 #
 # Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
@@ -105,11 +105,15 @@ SCALED="--gret capsule,gate --global-norm --global-zero-bias --routing-scale --g
 gret_a() {
   continued deen2-control models/multi30k-de-en-vanilla --dropout 0.1
   continued giga2-control models/gigaword-headlines --dropout 0.3
-  continued deen2-gret-scaled models/multi30k-de-en-vanilla --dropout 0.1 $SCALED
 }
 gret_b() {
   continued deen2-gret-scaled-bow models/multi30k-de-en-vanilla --dropout 0.1 $SCALED --global-bow 0.5
   continued giga2-gret-scaled-bow models/gigaword-headlines --dropout 0.3 $SCALED --global-bow 0.5
+}
+# the probe found the gated variant closing its gate (g ~ 0.05): without the gate, s^M is added as it is
+gret_c() {
+  continued deen2-gret-ungated-bow models/multi30k-de-en-vanilla --dropout 0.1 \
+    --gret capsule,aggregate --global-norm --global-zero-bias --routing-scale --global-bow 0.5
 }
 
 case "${1:-}" in
@@ -118,5 +122,6 @@ case "${1:-}" in
   giga-vocab) giga_vocab ;;
   gret-a) gret_a ;;
   gret-b) gret_b ;;
-  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b" >&2; exit 2 ;;
+  gret-c) gret_c ;;
+  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c" >&2; exit 2 ;;
 esac
