@@ -47,7 +47,8 @@ def decode_system(path: Path, splits: tuple[str, ...], beam: int) -> dict:
     model, ckpt, sp = load_checkpoint(path)
     data = ckpt.data
     out = {"name": path.name, "checkpoint": str(path), "parameters": model.num_parameters(),
-           "arch": describe(ckpt.model), "steps": ckpt.training.get("steps"),
+           "arch": describe(ckpt.model) | {"global_bow": ckpt.training.get("args", {}).get("global_bow")},
+           "steps": ckpt.training.get("steps"),
            "init_from": ckpt.training.get("init_from"), "splits": {}, "hyps": {}}
     for split in splits:
         examples = load_examples(data.dataset, split, data.src_lang, data.tgt_lang)
@@ -157,7 +158,9 @@ def render(payload: dict) -> list[str]:
         a = s["arch"]
         other = ", ".join(x for x in (
             f"multi-view {a['multiview']}" if a["multiview"] else "", f"mvPE k={a['pe_k']}" if a["pe_k"] != 1 else "",
-            "POS" if a["pos_tags"] else "", f"graph {a['graph']}" if a["graph"] else "") if x)
+            "POS" if a["pos_tags"] else "", f"graph {a['graph']}" if a["graph"] else "",
+            "s^M LayerNorm" if a.get("global_norm") else "", "routing ÷√D" if a.get("routing_scale") else "",
+            f"bag-of-words {a['global_bow']}" if a.get("global_bow") else "") if x)
         row = [f"`{s['name']}`", _mark(a["capsule"]), _mark(a["aggregate"]), _mark(a["gate"]), other,
                f"{s['parameters'] / 1e6:.2f}M", steps_text(s)]
         for split in splits:
