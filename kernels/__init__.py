@@ -3,7 +3,6 @@
 routing.py          capsule dynamic routing (encode time)
 cross_attention.py  multi-view memory build (encode time) + beam-grouped attention (every step)
 context_gate.py     LN_out + GRET context gate (every step)
-encoder_cache.py    cross-request LRU cache of encoder states (import it explicitly)
 bench.py            `python -m kernels.bench`
 
 The model calls the dispatchers; see dispatch.py for when Triton runs.

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from . import context_gate, cross_attention, routing
-from .encoder_cache import CachedEncoder, EncoderCache
+from server.engine.encoder_cache import CachedEncoder, EncoderCache
 
 # Shapes of the "small" (D=256) and "base" (D=512) presets: batch 32, ~24 source tokens, beam 4.
 ROUTING = [dict(G=96, S=24, D=256, K=32, C=64, iters=3), dict(G=192, S=24, D=512, K=32, C=64, iters=3)]

@@ -16,7 +16,7 @@ from typing import Callable
 from export.ct2_runtime import Ct2Translator
 from export.manifest import read_manifest
 from export.quality import TARGETS
-from kernels.encoder_cache import EncoderCache
+from .engine.encoder_cache import EncoderCache
 from training.checkpoint import load_checkpoint
 from training.config import Checkpoint
 from training.data import EOS, normalize_input

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kernels.encoder_cache import EncoderCache
+from server.engine.encoder_cache import EncoderCache
 from server.backends import TorchBackend
 from server.engine.batch import banned_tokens
 from server.engine.engine import Draining, Engine, Replicas
@@ -346,3 +346,20 @@ def test_replicas_queue_a_request_whole_or_refuse_it_whole():
     with pytest.raises(Draining):
         replicas.submit([make_seq(model, srcs[0])])
     replicas.run_until_idle()
+
+
+def test_one_lru_bounds_both_caches_by_the_sum_of_entry_sizes():
+    from server.engine.lru import LRU
+
+    by_entries = LRU(2)
+    for key in "abc":
+        by_entries.put(key, key)
+    assert "a" not in by_entries and by_entries.get("b") == "b" and by_entries.evictions == 1
+    by_size = LRU(10, size=len)
+    by_size.put("short", "xxxx")
+    by_size.put("too long", "x" * 11)  # larger than everything: not stored, nothing evicted
+    by_size.put("fits", "x" * 6)
+    assert (by_size.rejected, by_size.evictions, by_size.used) == (1, 0, 10)
+    by_size.get("short")  # touched: the next eviction takes "fits"
+    by_size.put("new", "x")
+    assert "fits" not in by_size and "short" in by_size and by_size.used == 5

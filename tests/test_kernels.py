@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from kernels import context_gate, cross_attention, routing
-from kernels.encoder_cache import CachedEncoder, EncoderCache, encode_cached, state_bytes
+from server.engine.encoder_cache import CachedEncoder, EncoderCache, encode_cached
 from tests.architectures import perturb, random_batch, tiny_config
 from training.model import Seq2Seq
 from training.search import beam_search, greedy
@@ -303,7 +303,7 @@ def test_eviction_keeps_the_cache_within_its_byte_budget(gret_model):
 
 def test_cache_counters_and_bytes_stay_consistent_under_threads(gret_model):
     enc = encode_cached(gret_model, EncoderCache(1 << 20), "v", [[5, 6, gret_model.cfg.eos_id]])
-    size = state_bytes(enc)
+    size = enc.nbytes
     cache = EncoderCache(max_bytes=10 * size)
 
     def worker(seed):

@@ -37,6 +37,32 @@ class EncoderState:
         return EncoderState([(pick(k), pick(v)) for k, v in self.memory], pick(self.src_pad),
                             pick(self.global_state), pick(self.gate_source))
 
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for kv in self.memory for t in kv] + [self.src_pad, self.global_state, self.gate_source]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def split(self, lengths: list[int]) -> list["EncoderState"]:
+        """One state per sentence, cut to its length. Cloned: a view would keep the whole batch's
+        storage alive (and a cache's byte count would be a lie)."""
+        def one(i: int, n: int) -> EncoderState:
+            row = lambda t: None if t is None else t[i: i + 1].clone()  # noqa: E731
+            return EncoderState([(k[i: i + 1, :, :n].clone(), v[i: i + 1, :, :n].clone()) for k, v in self.memory],
+                                self.src_pad[i: i + 1, :n].clone(), row(self.global_state), row(self.gate_source))
+        return [one(i, n) for i, n in enumerate(lengths)]
+
+    @staticmethod
+    def stack(states: list["EncoderState"]) -> "EncoderState":
+        """Batch states, padding keys/values with zeros and src_pad with True: the padded keys are
+        masked out of every softmax exactly like a batch encoded together."""
+        width = max(s.src_pad.shape[1] for s in states)
+        padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[2]))  # noqa: E731  (1, H, S_i, d) -> (1, H, width, d)
+        memory = [(torch.cat([padded(s.memory[i][0]) for s in states]), torch.cat([padded(s.memory[i][1]) for s in states]))
+                  for i in range(len(states[0].memory))]
+        src_pad = torch.cat([F.pad(s.src_pad, (0, width - s.src_pad.shape[1]), value=True) for s in states])
+        cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+        return EncoderState(memory, src_pad, cat([s.global_state for s in states]), cat([s.gate_source for s in states]))
+
 
 class Seq2Seq(nn.Module):
     def __init__(self, cfg: ModelConfig):

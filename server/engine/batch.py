@@ -41,7 +41,6 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.encoder_cache import stack_states
 from training.beam import NEG_INF, Hypothesis, candidates, select
 from training.model import EncoderState
 
@@ -105,7 +104,7 @@ class Batch:
         self.limits = torch.cat([self.limits, torch.tensor([s.max_len for s in seqs])])
         self.held = torch.cat([self.held, torch.zeros(n, dtype=torch.long)])
         self.constrained += sum(map(constrained, seqs))
-        self.enc = enc if self.enc is None else stack_states([self.enc, enc])
+        self.enc = enc if self.enc is None else EncoderState.stack([self.enc, enc])
 
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:

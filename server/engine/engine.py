@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from kernels.encoder_cache import EncoderCache, cache_key, encode_cached
 
 from .batch import Batch
+from .encoder_cache import EncoderCache, cache_key, encode_cached
 from .result_cache import ResultCache, result_key
 from .scheduler import QueueFull, Scheduler
 from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence

@@ -316,7 +316,7 @@ def serve(spec: WorkerSpec, conn) -> None:
     into engine calls until it says stop or goes away."""
     import torch
 
-    from kernels.encoder_cache import EncoderCache
+    from .encoder_cache import EncoderCache
 
     from ..pipeline import make_backend
     from .engine import Engine
