@@ -5,8 +5,8 @@ output-length limit and its hypotheses).
 One step of a sequence: its candidates are the 2 x beam best of (row score + log-probability)
 over its rows' tokens, best first, ties to the lower row, then the lower token. An EOS, or any
 token at the sequence's last step, finishes a hypothesis if its candidate ranks inside the beam
-(and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is done once it holds `beam` finished hypotheses, reaches its length limit, or has no
-candidate left. Both steps work on all sequences at once, each with its own beam size and rows.
+(and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is
+done once it holds `beam` finished hypotheses, reaches its length limit, or has no candidate left. Both steps work on all sequences at once, each with its own beam size and rows.
 """
 from __future__ import annotations
 
