@@ -65,17 +65,20 @@ class RunningServer:
 
 def config_for(models_dir: Path, cache: Path, **overrides) -> ServerConfig:
     """A loopback server's config. The result cache is off unless asked for: the tests send the
-    same texts again and again, and each call must exercise the engine."""
+    same texts again and again, and each call must exercise the engine. HTTP is off unless asked
+    for (its default port is fixed, and test servers run side by side)."""
     return ServerConfig(**{"models_dir": str(models_dir), "host": "127.0.0.1", "port": 0, "metrics_port": 0,
+                           "http_port": 0,
                            "threads": 1, "build_cache": str(cache), "grace_seconds": 5.0, "result_cache": 0,
                            **overrides}).check()
 
 
 class ServerProcess:
     """`python -m server ARGS` as a child process, the way an operator runs it; everything it prints
-    (the log on stderr, stdout) is collected line by line."""
+    (the log on stderr, stdout) is collected line by line. HTTP is off unless ARGS name a port."""
 
     def __init__(self, *args):
+        args = ("--http-port", 0, *args)  # argparse keeps the last: a test's own --http-port wins
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "server", *map(str, args)], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
