@@ -22,7 +22,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# Serve every model under models/ over gRPC (50051) with metrics on 9090. Shipped checkpoints are
+# Serve every model under models/ over gRPC (50051) and HTTP/JSON (8080), with metrics on 9090. Shipped checkpoints are
 # exported to ONNX and verified on first start (cached in ~/.cache/gret-serve); ARGS adds flags,
 # e.g. make serve ARGS="--port 50052 --batching request".
 serve: setup

@@ -39,7 +39,7 @@ class ServerConfig:
     precision: str = "fp32"  # weights of the exported graphs
     threads: int = 2  # intra-op threads per engine loop
     workers: int = 1  # engine loops per model, each with its own running batch (uses workers x threads cores)
-    batching: str = "continuous"  # continuous: join at every decoder step; request: one request per batch; none
+    batching: str = "continuous"  # continuous: admit at every decoder step; request: only into an empty batch; none: one text at a time
     max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
     cache_mb: int = 256  # encoder caches of all models together, split equally (deploy/k8s sizes the pod with it)
