@@ -2,6 +2,7 @@
 
     python -m bench engine [--quick]   offline decoding: our engine vs CTranslate2 vs PyTorch
     python -m bench server [--quick]   gRPC load: latency vs offered load per batching policy
+    python -m bench http [--quick]     the HTTP/JSON front end against gRPC on one server, same load
     python -m bench report             BENCHMARKS.md from bench-*.json
     python -m bench.soak               the 10-minute soak at ~70% of saturation
 

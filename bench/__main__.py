@@ -1,10 +1,10 @@
-"""python -m bench engine|server|report [options]: see bench/__init__.py."""
+"""python -m bench engine|server|http|report [options]: see bench/__init__.py."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-COMMANDS = {"engine": "bench.engine", "server": "bench.server", "report": "bench.report"}
+COMMANDS = {"engine": "bench.engine", "server": "bench.server", "http": "bench.http", "report": "bench.report"}
 
 
 def main(argv=None) -> int:

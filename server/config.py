@@ -93,8 +93,8 @@ def load(argv: list[str] | None = None, prog: str = "python -m server") -> tuple
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = str(default).lower() if isinstance(default, bool) else " ".join(default) if isinstance(default, list) \
-            else default
+        shown = str(default).lower() if isinstance(default, bool) else repr(default) if isinstance(default, str) \
+            else " ".join(default) or "all" if isinstance(default, list) else default
         text = f"{helps.get(f.name, '')} [default: {shown}]".replace("%", "%%")
         if isinstance(default, bool):
             parser.add_argument(flag, type=_boolean, metavar="true|false", default=None, help=text)

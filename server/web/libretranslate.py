@@ -11,6 +11,7 @@ from urllib.parse import parse_qsl
 
 import grpc
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from proto import gret_serve_pb2 as pb
@@ -92,7 +93,7 @@ def libretranslate_routes(service: InferenceService, registry: Registry) -> APIR
         if body.source == "auto":
             detected = {"language": source, "confidence": 0.0}
             answer["detectedLanguage"] = detected if one else [detected] * len(texts)
-        return answer
+        return JSONResponse(answer)
 
     @router.get("/languages", summary="Source languages and the targets each translates into")
     async def languages():

@@ -39,7 +39,7 @@ def create_app(service: InferenceService, registry: Registry, token: str = "") -
 
 
 def bearer(token: Token):
-    def check(request: Request) -> None:
+    async def check(request: Request) -> None:  # async: FastAPI runs a plain function on a worker thread
         if not token.allows(request.headers.get("authorization", "")):
             raise CallFailed(grpc.StatusCode.UNAUTHENTICATED, Token.REFUSAL)
     return check
