@@ -99,11 +99,11 @@ COPY --from=builder --chown=10001:10001 /var/cache/gret-serve /var/cache/gret-se
 
 WORKDIR /app
 USER 10001:10001
-# gRPC (with grpc.health.v1 and reflection), Prometheus metrics
-EXPOSE 50051 9090
+# gRPC (with grpc.health.v1 and reflection), HTTP/JSON (API, web page, /health/*), Prometheus metrics
+EXPOSE 50051 8080 9090
 # The server drains on SIGTERM (--grace-seconds, 30 by default): stop with a longer timeout than that.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-m", "server.client", "--address", "localhost:50051", "--timeout", "4", "health"]
 ENTRYPOINT ["python", "-m", "server"]
-CMD ["--models-dir", "/app/models", "--port", "50051", "--metrics-port", "9090"]
+CMD ["--models-dir", "/app/models", "--port", "50051", "--http-port", "8080", "--metrics-port", "9090"]

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: setup test test-fast serve demo proto clean
+.PHONY: setup browser test test-fast serve demo proto clean
 
 setup: $(STAMP)
 
@@ -14,15 +14,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
+# Headless Chromium for the web page's test (tests/test_page.py): Debian's packages, installed where
+# we may (CI runs as root); elsewhere that test is skipped and says why.
+browser:
+	@command -v chromedriver >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+
 # The whole suite; the slowest tests are listed at the end, so that a slow one shows in CI's log.
-test: setup
+test: setup browser
 	$(PY) -m pytest -q --durations=15
 
 # The loop while editing: what does not train models, start servers or fuzz at volume (not marked slow).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# Serve every model under models/ over gRPC (50051) with metrics on 9090. Shipped checkpoints are
+# Serve every model under models/ over gRPC (50051) and HTTP/JSON (8080), with metrics on 9090. Shipped checkpoints are
 # exported to ONNX and verified on first start (cached in ~/.cache/gret-serve); ARGS adds flags,
 # e.g. make serve ARGS="--port 50052 --batching request".
 serve: setup

@@ -1,11 +1,11 @@
-"""python -m bench engine|server|replicas|report [options]: see bench/__init__.py."""
+"""python -m bench engine|server|speed|replicas|http|report [options]: see bench/__init__.py."""
 from __future__ import annotations
 
 import importlib
 import sys
 
 COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed",
-            "replicas": "bench.replicas", "report": "bench.report"}
+            "replicas": "bench.replicas", "http": "bench.http", "report": "bench.report"}
 
 
 def main(argv=None) -> int:

@@ -140,7 +140,7 @@ def server_env(args) -> dict:
 
 
 def server_flags(args, policy: str, encoder_cache: bool = False, result_cache: bool = False) -> list[str]:
-    flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0",
+    flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0", "--http-port", "0",
              "--batching", policy, "--threads", str(args.threads), "--grace-seconds", "5"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]

@@ -135,7 +135,8 @@ def verdicts(minutes: list[dict], calls: list[Call]) -> dict:
 
 async def run(args) -> dict:
     texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", "de", "en")]
-    flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0", "--threads",
+    flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0", "--http-port", "0",
+             "--threads",
              str(args.threads), "--cache-mb", "0", "--result-cache", "0", "--grace-seconds", "30"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]

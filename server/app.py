@@ -1,13 +1,12 @@
-"""Wiring: the gRPC server (service + health + reflection, auth, TLS, message limits), the
-metrics endpoint, the engines, and graceful shutdown.
+"""Wiring: the gRPC server (service + health + reflection, auth, TLS, message limits), the HTTP
+front end on the same service (server/web), the metrics endpoint, the engines, and graceful shutdown.
 
 Shutdown on SIGTERM/SIGINT: health goes NOT_SERVING first (load balancers stop sending), new
-calls get UNAVAILABLE, in-flight calls finish within `grace_seconds`, then the process exits 0.
+calls get UNAVAILABLE (HTTP 503), in-flight calls finish within `grace_seconds`, then the process exits 0.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 
@@ -19,10 +18,12 @@ from grpc_reflection.v1alpha import reflection
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 
+from .auth import Token
 from .config import ServerConfig
 from .metrics import Metrics
 from .registry import Registry
 from .service import InferenceService
+from .web.frontend import HttpFrontEnd
 
 log = logging.getLogger("server")
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -33,10 +34,10 @@ class BearerToken(grpc.aio.ServerInterceptor):
     """Every call but health checks must carry `authorization: Bearer <token>`."""
 
     def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+        self.token = Token(token)
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, Token.REFUSAL)
 
         self.deny = deny
 
@@ -44,7 +45,7 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if details.method.startswith(f"/{HEALTH}/"):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if hmac.compare_digest(metadata.get("authorization", "").encode(), self.expected):  # constant time
+        if self.token.allows(metadata.get("authorization", "")):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
@@ -109,7 +110,9 @@ class App:
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.metrics_http = None
+        self.http = HttpFrontEnd(self.service, self.registry, config) if config.http_port else None
         self.port = config.port
+        self.http_port = 0
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
@@ -130,12 +133,14 @@ class App:
             self.port = self.server.add_insecure_port(address)
         self.registry.start()
         await self.server.start()
+        if self.http is not None:
+            self.http_port = await self.http.start()
         if c.metrics_port:
             self.metrics_http = self.metrics.serve(c.metrics_port, c.host)
-        for name in ("", SERVICE):
+        for name in ("", SERVICE, *(p.entry.name for p in self.registry)):  # a model's name: its own readiness
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d (metrics on %s)", ", ".join(p.entry.name for p in self.registry), c.host,
-                 self.port, c.metrics_port or "off")
+        log.info("serving %s on %s:%d (metrics on %s, http on %s)", ", ".join(p.entry.name for p in self.registry),
+                 c.host, self.port, c.metrics_port or "off", self.http_port or "off")
         return self.port
 
     async def shutdown(self) -> None:
@@ -153,6 +158,8 @@ class App:
         while not self.registry.idle() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         await self.server.stop(max(0.0, deadline - loop.time()))
+        if self.http is not None:
+            await self.http.stop(deadline - loop.time())
         self.registry.stop()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()

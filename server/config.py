@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,31 +22,28 @@ from .backends import BACKENDS
 from .engine.options import Limits
 from .engine.scheduler import POLICIES
 
-PRECISIONS = ("auto", "fp32", "int8")
-REPLICAS = ("process", "thread")
+# The enumerated fields and their values: the flags list them, check() refuses anything else.
+CHOICES = {"backend": tuple(BACKENDS), "precision": ("auto", "fp32", "int8"), "replicas": ("process", "thread"),
+           "batching": tuple(POLICIES), "log_level": ("debug", "info", "warning", "error")}
 
 
 @dataclass
 class ServerConfig:
+    """Each field's trailing comment is also its flag's --help text (field_help): one description."""
+
     models_dir: str = "models"  # every model folder here is served ...
-    models: list[str] = field(default_factory=list)  # ... or only these
+    models: list[str] = field(default_factory=list)  # ... or only these (folder names)
     skip_bad_models: bool = False  # with several models: skip one that fails to load (and log why)
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9090  # 0: no metrics endpoint
-    backend: str = "onnx"  # onnx | torch | ct2
-    precision: str = field(default="auto", metadata={"help": (
-        "fp32 | int8 | auto (the default): int8 where the repository's int8 graphs passed the build's "
-        "verification (verified.json), else fp32")})
-    threads: int = field(default=1, metadata={"help": "intra-op threads of each engine loop (default 1)"})
-    workers: int = field(default=0, metadata={"help": (
-        "engine loops per model, each with its own running batch, using workers x threads cores; "
-        "0 (the default): one per CPU core this process may use")})
-    replicas: str = field(default="process", metadata={"help": (
-        "what runs each engine loop: process (the default; a worker process with its own model session, "
-        "so loops do not share the GIL) | thread (threads of the server process sharing one session); "
-        "the ct2 backend always uses CTranslate2's own replicas")})
-    batching: str = "continuous"  # continuous | request | none
+    host: str = "0.0.0.0"  # address every port listens on
+    port: int = 50051  # gRPC (0: any free port)
+    http_port: int = 8080  # HTTP/JSON API and web page (0: off)
+    metrics_port: int = 9090  # Prometheus metrics (0: off)
+    backend: str = "onnx"  # inference runtime
+    precision: str = "auto"  # weights of the exported graphs; auto: int8 where the build verified the int8 graphs against fp32 (verified.json), else fp32
+    threads: int = 1  # intra-op threads per engine loop
+    workers: int = 0  # engine loops per model, each with its own running batch (uses workers x threads cores); 0: one per CPU core this process may use
+    replicas: str = "process"  # what runs each engine loop: process (a worker process with its own model session: loops do not share the GIL) or thread (threads sharing one session); ct2 uses CTranslate2's own replicas
+    batching: str = "continuous"  # continuous: admit at every decoder step; request: only into an empty batch; none: one text at a time
     max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
     cache_mb: int = 256  # encoder caches of all models together, split equally (deploy/k8s sizes the pod with it)
@@ -53,15 +52,15 @@ class ServerConfig:
     verify_build: bool = True  # a fresh export must reproduce the checkpoint's recorded score
     grace_seconds: float = 30.0  # SIGTERM: in-flight calls get this long to finish
     max_message_mb: int = 4  # gRPC receive/send limit
-    tls_cert: str = ""  # PEM files; both set = TLS
-    tls_key: str = ""
+    tls_cert: str = ""  # PEM certificate; with tls_key, gRPC and HTTP use TLS
+    tls_key: str = ""  # PEM private key of tls_cert
     auth_token: str = ""  # bearer token required on every call but health checks (or $GRET_SERVE_TOKEN)
     log_level: str = "info"  # debug also logs request text
     # limits on requests
-    max_beam: int = 16
-    max_texts: int = 256
-    max_text_chars: int = 4000
-    max_output_tokens: int = 256
+    max_beam: int = 16  # beam size and n-best list at most
+    max_texts: int = 256  # texts in one call at most
+    max_text_chars: int = 4000  # characters of one text at most
+    max_output_tokens: int = 256  # output pieces of one text at most
 
     def limits(self) -> Limits:
         return Limits(max_beam=self.max_beam, max_n_best=self.max_beam, max_output_tokens=self.max_output_tokens,
@@ -75,24 +74,20 @@ class ServerConfig:
         return self.auth_token or os.environ.get("GRET_SERVE_TOKEN", "")
 
     def check(self) -> "ServerConfig":
-        problems = []
-        if self.backend not in BACKENDS:
-            problems.append(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.replicas not in REPLICAS:
-            problems.append(f"replicas {self.replicas!r} is not one of {', '.join(REPLICAS)}")
-        if self.batching not in POLICIES:
-            problems.append(f"batching {self.batching!r} is not one of {', '.join(POLICIES)}")
+        problems = [f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}"
+                    for name, allowed in CHOICES.items() if getattr(self, name) not in allowed]
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
+        problems += [f"{name} {getattr(self, name)}: no such file" for name in ("tls_cert", "tls_key")
+                     if getattr(self, name) and not os.path.isfile(getattr(self, name))]
         if self.result_cache < 0 or self.cache_mb < 0:
             problems.append("result_cache and cache_mb must not be negative")
         if self.workers < 0:
             problems.append(f"workers must not be negative (0: one per core), got {self.workers}")
-        for name in ("port", "threads", "max_batch_tokens", "max_queue", "max_beam", "max_texts", "max_text_chars",
+        for name in ("port", "http_port", "metrics_port", "threads", "max_batch_tokens", "max_queue", "max_beam",
+                     "max_texts", "max_text_chars",
                      "max_output_tokens", "max_message_mb"):
-            if getattr(self, name) < (0 if name == "port" else 1):
+            if getattr(self, name) < (0 if name.endswith("port") else 1):
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if problems:
             raise ValueError("bad server configuration: " + "; ".join(problems))
@@ -100,25 +95,31 @@ class ServerConfig:
 
 
 def load(argv: list[str] | None = None, prog: str = "python -m server") -> tuple[ServerConfig, bool]:
-    """(configuration, --prepare-only)"""
-    parser = argparse.ArgumentParser(prog=prog, description="Serve translation/summarisation models over gRPC.")
+    """(configuration, --prepare-only); a bad flag, field or file exits 2 with one line saying which."""
+    parser = OneLineErrors(prog=prog, description="Serve translation/summarisation models over gRPC and HTTP.")
     parser.add_argument("--config", type=Path, help="YAML file with any of the fields below")
     parser.add_argument("--prepare-only", action="store_true",
                         help="build (and verify) the models' repositories, then exit: for image builds")
+    helps = field_help()
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = type(f.default) if f.default is not dataclasses.MISSING else list
-        described = f.metadata.get("help")
-        if kind is bool:
-            parser.add_argument(flag, type=_boolean, metavar="true|false", default=None, help=described)
-        elif kind is list:
-            parser.add_argument(flag, nargs="*", default=None, help=described)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = str(default).lower() if isinstance(default, bool) else repr(default) if isinstance(default, str) \
+            else " ".join(default) or "all" if isinstance(default, list) else default
+        text = f"{helps.get(f.name, '')} [default: {shown}]".replace("%", "%%")
+        if isinstance(default, bool):
+            parser.add_argument(flag, type=_boolean, metavar="true|false", default=None, help=text)
+        elif isinstance(default, list):
+            parser.add_argument(flag, nargs="*", default=None, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=None, help=described)
+            parser.add_argument(flag, type=type(default), choices=CHOICES.get(f.name), default=None, help=text)
     args = parser.parse_args(argv)
     values = {}
     if args.config:
-        loaded = yaml.safe_load(args.config.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(args.config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            parser.error(f"--config {args.config}: {e}")
         known = {f.name for f in dataclasses.fields(ServerConfig)}
         unknown = sorted(set(loaded) - known)
         if unknown:
@@ -130,6 +131,19 @@ def load(argv: list[str] | None = None, prog: str = "python -m server") -> tuple
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     return config, args.prepare_only
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """An operator's mistake gets one line naming it (exit 2), not the whole usage; --help has the rest."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def field_help() -> dict[str, str]:
+    """ServerConfig's field comments by field name (the source is the documentation)."""
+    lines = inspect.getsource(ServerConfig).splitlines()
+    return {m[1]: m[2] for m in (re.match(r"\s+(\w+): [^#]*?  # (.*)$", line) for line in lines) if m}
 
 
 def _boolean(text: str) -> bool:

@@ -2,7 +2,7 @@
 codes only: never request text."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .engine.engine import Observer
@@ -10,6 +10,7 @@ from .engine.sequence import OK, Sequence
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+PIECES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
@@ -40,14 +41,23 @@ class Metrics:
         self.queue_depth = Gauge("gret_serve_queue_depth", "Texts waiting for admission", ["model"], registry=r)
         self.model_info = Gauge("gret_serve_model_info", "Loaded models (value 1)",
                                 ["model", "version", "task", "backend", "precision", "architecture"], registry=r)
+        self.input_pieces = Histogram("gret_serve_input_pieces", "Per text: source pieces (end of sentence included)",
+                                      ["model"], buckets=PIECES, registry=r)
         self._caches: dict[str, object] = {}
         self._results: dict[str, object] = {}
+        self._engines: dict[str, list] = {}
         r.register(_CacheCollector(self._caches, self._results))
+        r.register(_RunningCollector(self._engines))
+        ProcessCollector(registry=r)  # resident memory, CPU seconds, open files of this process
 
     def call_ended(self, model: str, method: str, code: str, seconds: float) -> None:
         """Every call of every RPC, whatever its outcome: counted by status, and timed."""
         self.requests.labels(model, method, code).inc()
         self.request_seconds.labels(model, method).observe(seconds)
+
+    def submitted(self, model: str, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.input_pieces.labels(model).observe(len(s.src))
 
     def observer(self, model: str) -> Observer:
         return _ModelObserver(self, model)
@@ -57,6 +67,7 @@ class Metrics:
         self.model_info.labels(e.name, e.version, e.task, pipeline.backend, pipeline.precision, e.architecture).set(1)
         self._caches[e.name] = pipeline.engine.cache
         self._results[e.name] = pipeline.engine.results
+        self._engines[e.name] = getattr(pipeline.engine, "engines", [pipeline.engine])  # Replicas or one Engine
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         """Starts the HTTP exporter on a daemon thread; returns the HTTP server (for shutdown)."""
@@ -115,6 +126,22 @@ class _CacheCollector:
     def collect(self):
         yield from cache_families(self.caches, ENCODER_CACHE)
         yield from cache_families(self.results, RESULT_CACHE)
+
+
+class _RunningCollector:
+    """Texts in the models' running batches, counted at scrape time from the batches themselves (a
+    gauge kept by the engine's events would drift with every path that admits or ends a text).
+    CTranslate2 decodes a whole batch inside one call and keeps no running batch: 0."""
+
+    def __init__(self, engines: dict):
+        self.engines = engines
+
+    def collect(self):
+        family = GaugeMetricFamily("gret_serve_running_sequences", "Texts in the running batch, being decoded",
+                                   labels=["model"])
+        for model, engines in self.engines.items():
+            family.add_metric([model], sum(len(e.batch) for e in engines))
+        yield family
 
 
 def cache_families(caches: dict, metrics: dict) -> list:

@@ -186,6 +186,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         by_seq.update({s.id: f for s, f in zip(seqs, futures)})
         call.model, call.pipeline, call.seqs = pipeline.entry.name, pipeline, seqs
+        self.metrics.submitted(call.model, seqs)
         if self.log_text:
             log.debug("model %s: %d texts: %r", pipeline.entry.name, len(texts), texts)
         try:

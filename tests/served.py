@@ -66,17 +66,19 @@ class RunningServer:
 def config_for(models_dir: Path, cache: Path, **overrides) -> ServerConfig:
     """A loopback server's config. The result cache is off unless asked for: the tests send the
     same texts again and again, and each call must exercise the engine. One engine loop on a
-    thread unless asked for: tests reach into it (tests/test_workers.py covers worker processes)."""
+    thread unless asked for: tests reach into it (tests/test_workers.py covers worker processes).
+    HTTP is off unless asked for (its default port is fixed, and test servers run side by side)."""
     return ServerConfig(**{"models_dir": str(models_dir), "host": "127.0.0.1", "port": 0, "metrics_port": 0,
-                           "threads": 1, "workers": 1, "replicas": "thread", "build_cache": str(cache),
+                           "http_port": 0, "threads": 1, "workers": 1, "replicas": "thread", "build_cache": str(cache),
                            "grace_seconds": 5.0, "result_cache": 0, **overrides}).check()
 
 
 class ServerProcess:
     """`python -m server ARGS` as a child process, the way an operator runs it; everything it prints
-    (the log on stderr, stdout) is collected line by line."""
+    (the log on stderr, stdout) is collected line by line. HTTP is off unless ARGS name a port."""
 
     def __init__(self, *args):
+        args = ("--http-port", 0, *args)  # argparse keeps the last: a test's own --http-port wins
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "server", *map(str, args)], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

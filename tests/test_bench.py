@@ -68,3 +68,16 @@ def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_mode
     assert systems["ct2-int8"]["time_split"] is None
     assert result["settings"]["sentences"] == 64
     assert {"best_engine_vs_ct2_int8", "best_engine_vs_fastest_ct2_int8"} <= set(result["targets"])
+
+
+def test_quick_http_benchmark_drives_both_transports_on_one_server(served_models, tmp_path):
+    results = tmp_path / "results"
+    code = bench_main(["http", "--quick", "--seconds", "3", "--models-dir", str(served_models), "--model", "tiny-de-en",
+                       "--threads", "1", "--build-cache", str(tmp_path / "build"), "--out-dir", str(results)])
+    assert code == 0
+    result = json.loads((results / "bench-http.json").read_text())
+    assert {(p["workload"], p["transport"]) for p in result["points"]} == {
+        (w, t) for w in ("beam4", "greedy") for t in ("grpc", "http")}
+    for point in result["points"]:
+        assert point["ok"] > 0 and point["errors"] == {} and point["texts_per_s"] > 0
+    assert all(r["median"] > 0 for r in result["http_over_grpc"].values())

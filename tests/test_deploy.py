@@ -65,7 +65,8 @@ def test_image_command_and_deployment_args_parse_with_the_servers_flags():
     image_config, prepare_only = server_config.load(command)
     assert not prepare_only
     deployed, _ = server_config.load(server_container()["args"])
-    assert (image_config.port, image_config.metrics_port) == (deployed.port, deployed.metrics_port) == (50051, 9090)
+    ports = [(c.port, c.http_port, c.metrics_port) for c in (image_config, deployed)]
+    assert ports == [(50051, 8080, 9090)] * 2
 
 
 def test_healthcheck_command_parses_with_the_clients_flags():
@@ -83,8 +84,11 @@ def test_ports_user_and_probes_match_the_image():
     container = server_container()
     exposed = {int(p) for p in final_stage("EXPOSE").split()}
     assert {p["containerPort"] for p in container["ports"]} == exposed
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == 50051, probe
+    assert container["startupProbe"]["grpc"]["port"] == 50051
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named["http"] == 8080
+    for probe, path in (("readinessProbe", "/health/ready"), ("livenessProbe", "/health/live")):
+        assert container[probe]["httpGet"] == {"path": path, "port": "http"}, probe
     uid, gid = (int(x) for x in final_stage("USER").split(":"))
     pod_security = manifests()[("Deployment", "gret-serve")]["spec"]["template"]["spec"]["securityContext"]
     assert (pod_security["runAsUser"], pod_security["runAsGroup"]) == (uid, gid)
