@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 from bench import add_publish, pages_dir, results_dir
@@ -203,6 +204,11 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
         table(["system", "texts/s (median)", "texts/s per round", "p50 ms per round"], rows),
         table(["ratio", "median", "per round"],
               [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"])] for k in med]),
+        (f"`engine-offline`: the server's engine without gRPC ({data.get('engine_setting', '?')}), every text of "
+         f"the round submitted at once. Its busy time by phase (median round): "
+         + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in data['rounds']):.0f}%"
+                      for k in data["rounds"][0]["engine-offline"]["busy_share"]) + "."
+         if "engine-offline" in data["rounds"][0] else ""),
         f"Resident memory at the end: {memory}.",
         "### Throughput against callers",
         ("Closed loop; CTranslate2 answers each caller's one sentence itself (replicas = cores, one thread each), "

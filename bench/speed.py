@@ -7,7 +7,10 @@ machine load:
      beam 4, found like a user finds it: over gRPC on loopback, from another process. Against it,
      CTranslate2 int8 offline on the same weights and texts in batches of 32, at its best of one
      replica x all threads and all replicas x one thread. The same load on the GRET model gives
-     GRET / vanilla. Medians over rounds, and the ratios per round.
+     GRET / vanilla. The same engine without gRPC (built with the server's defaults, all texts at
+     once) splits the time: server / engine is what gRPC and dispatch cost, the engine's busy time
+     by phase (encoder, decoder, search, cache) is where the rest goes. Medians over rounds, and
+     the ratios per round.
   2. the sweep: texts/s against the number of callers (1, 4, 16, 64, 256) for the server with
      defaults and for CTranslate2 answering each caller's one sentence itself (all replicas x one
      thread; callers are threads, CTranslate2 releases the GIL). One caller's p50 latency is the
@@ -98,10 +101,46 @@ def point(latencies: list[float], seconds: float) -> dict:
             "load_average": round(os.getloadavg()[0], 2)}
 
 
+# ---- our engine without gRPC ---------------------------------------------------------------------
+class EngineOffline:
+    """The server's engine, built as `python -m server` builds it with its defaults, driven in this
+    process: no gRPC. Each round submits all its texts at once; the busy time is split by phase
+    (thread-seconds summed over the loops), which says where the server's time goes."""
+
+    def __init__(self, args):
+        from server.config import ServerConfig
+        from server.models import load_entry
+        from server.pipeline import build_pipeline
+
+        config = ServerConfig()
+        entry = load_entry(args.models_dir / args.model, config.backend, args.build_cache)
+        self.pipeline = build_pipeline(entry, config.backend, config.precision, config.threads, config.batching,
+                                       config.max_batch_tokens, config.max_queue, 0, config.limits(),
+                                       workers=config.loops(), replicas=config.replicas)
+        self.setting = (f"{config.backend} {self.pipeline.precision}, {config.loops()} {config.replicas} loop(s) "
+                        f"x {config.threads} thread(s)")
+
+    def run(self, texts: list[str]) -> dict:
+        engine, per_call = self.pipeline.engine, self.pipeline.limits.max_texts
+        busy = dict(engine.seconds)
+        start = time.perf_counter()
+        for k in range(0, len(texts), per_call):
+            engine.submit(self.pipeline.sequences(texts[k: k + per_call], DecodingOptions(beam=BEAM), lambda s: None))
+        engine.run_until_idle()
+        seconds = time.perf_counter() - start
+        spent = {k: engine.seconds[k] - busy[k] for k in busy}
+        return {"texts": len(texts), "seconds": round(seconds, 2), "texts_per_s": round(len(texts) / seconds, 3),
+                "busy_share": {k: round(v / max(sum(spent.values()), 1e-9), 3) for k, v in spent.items()},
+                "load_average": round(os.getloadavg()[0], 2)}
+
+    def stop(self) -> None:
+        self.pipeline.engine.stop(30)
+
+
 # ---- the servers ---------------------------------------------------------------------------------
 def start_server(name: str, model: str, args, log_dir: Path) -> ServerProcess:
     """Default flags but for the caches (off: the texts repeat) and the ports (free, loopback)."""
-    flags = ["--models-dir", str(args.models_dir), "--models", model, "--metrics-port", "0",
+    flags = ["--models-dir", str(args.models_dir), "--models", model, "--metrics-port", "0", "--http-port", "0",
              "--cache-mb", "0", "--result-cache", "0"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]
@@ -132,17 +171,21 @@ def measure(args, log_dir: Path) -> dict:
                 cache_pairs=0)
     servers = {"server-vanilla": (start_server("vanilla", args.model, args, log_dir), args.model),
                "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret)}
+    engine = EngineOffline(args)
     rounds = []
     try:
+        engine.run(texts[:CT2_BATCH])  # warm
         for system in ct2.values():
             system.run(sources[:CT2_BATCH])  # warm
         for r in range(args.rounds):
-            names = list(ct2) + list(servers)
+            names = list(ct2) + ["engine-offline"] + list(servers)
             names = names[r % len(names):] + names[: r % len(names)]
             row = {}
             for name in names:
                 if name in ct2:
                     row[name] = ct2[name].run(sources[: args.ct2_texts])
+                elif name == "engine-offline":
+                    row[name] = engine.run(texts[: args.ct2_texts])
                 else:
                     server, model = servers[name]
                     row[name] = asyncio.run(load(server, model, texts, CALLERS, plan))
@@ -150,6 +193,8 @@ def measure(args, log_dir: Path) -> dict:
             best = max(ct2, key=lambda n: row[n]["texts_per_s"])
             row["ratios"] = {"server_vs_ct2": round(row["server-vanilla"]["texts_per_s"] / row[best]["texts_per_s"], 3),
                              "ct2_best": best,
+                             "server_vs_engine": round(row["server-vanilla"]["texts_per_s"]
+                                                       / row["engine-offline"]["texts_per_s"], 3),
                              "gret_vs_vanilla": round(row["server-gret"]["texts_per_s"]
                                                       / row["server-vanilla"]["texts_per_s"], 3)}
             rounds.append(row)
@@ -166,11 +211,12 @@ def measure(args, log_dir: Path) -> dict:
                   f"ct2 {sweep['ct2'][callers]['texts_per_s']:8.2f} texts/s", flush=True)
         memory = {name: resident_mb(server) for name, (server, _) in servers.items()}
     finally:
+        engine.stop()
         for server, _ in servers.values():
             server.stop()
-    return {"rounds": rounds, "sweep": sweep, "resident_mb": memory, "cores": cores,
+    return {"rounds": rounds, "engine_setting": engine.setting, "sweep": sweep, "resident_mb": memory, "cores": cores,
             "medians": {key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
-                        for key in ("server_vs_ct2", "gret_vs_vanilla")},
+                        for key in ("server_vs_ct2", "gret_vs_vanilla", "server_vs_engine")},
             "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
                             for name in rounds[0] if name != "ratios"}}
 

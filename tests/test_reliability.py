@@ -425,8 +425,9 @@ def step_log(roomy):
 # These servers are kept busy with the same texts again and again: each must be decoded again.
 DECODE_REPEATS = ("--result-cache", 0)
 
-# Exactly 128 output tokens whatever the source: the call stays in the batch for 128 steps.
-LONG = dict(max_length_ratio=10, max_length=128, min_length=128)
+# Exactly 128 output tokens whatever the source (the offset lifts every text's limit to 128, so
+# min_length fits it): the call stays in the batch for 128 steps.
+LONG = dict(max_length_ratio=10, max_length_offset=128, max_length=128, min_length=128)
 
 
 def request(texts, beam, **options):
