@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"engine": "bench.engine", "server": "bench.server", "report": "bench.report"}
+COMMANDS = {"engine": "bench.engine", "server": "bench.server", "report": "bench.report",
+            "segmenters": "bench.segmenters"}
 
 
 def main(argv=None) -> int:

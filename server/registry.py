@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 
 from .config import ServerConfig
+from .languages import normalize
 from .metrics import Metrics
 from .models import ModelError, discover, load_entry
 from .pipeline import Pipeline, build_pipeline, verify_build
@@ -58,6 +59,8 @@ class Registry:
 
     # ---- lookup ---------------------------------------------------------------------------------
     def find(self, task: str, name: str = "", source: str = "", target: str = "") -> Pipeline:
+        """By name, else by language pair (codes in any form server.languages reads), else the task's default."""
+        source, target = normalize(source), normalize(target)
         if name:
             pipeline = self.pipelines.get(name)
             if pipeline is None:
