@@ -5,7 +5,7 @@ import importlib
 import sys
 
 COMMANDS = {"engine": "bench.engine", "server": "bench.server", "report": "bench.report",
-            "segmenters": "bench.segmenters"}
+            "segmenters": "bench.segmenters", "unknowns": "bench.unknowns"}
 
 
 def main(argv=None) -> int:

@@ -7,11 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TextFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TEXT: _ClassVar[TextFormat]
+    HTML: _ClassVar[TextFormat]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     END_OF_SENTENCE: _ClassVar[FinishReason]
     LENGTH: _ClassVar[FinishReason]
+TEXT: TextFormat
+HTML: TextFormat
 FINISH_REASON_UNSPECIFIED: FinishReason
 END_OF_SENTENCE: FinishReason
 LENGTH: FinishReason
@@ -41,20 +48,22 @@ class DecodingOptions(_message.Message):
     def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence")
+    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     AS_ONE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     source_language: str
     target_language: str
     model: str
     options: DecodingOptions
     as_one_sequence: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ...) -> None: ...
+    format: TextFormat
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ..., format: _Optional[_Union[TextFormat, str]] = ...) -> None: ...
 
 class SummarizeRequest(_message.Message):
     __slots__ = ("texts", "model", "options")

@@ -36,9 +36,10 @@ class Client:
         self.timeout = timeout
 
     def translate(self, texts: list[str], target: str = "", source: str = "", model: str = "",
-                  as_one_sequence: bool = False, **options) -> pb.GenerateResponse:
+                  as_one_sequence: bool = False, html: bool = False, **options) -> pb.GenerateResponse:
         request = pb.TranslateRequest(texts=texts, source_language=source, target_language=target, model=model,
-                                      as_one_sequence=as_one_sequence, options=decoding_options(**options))
+                                      as_one_sequence=as_one_sequence, format=pb.HTML if html else pb.TEXT,
+                                      options=decoding_options(**options))
         return self.stub.Translate(request, timeout=self.timeout, metadata=self.metadata)
 
     def translate_stream(self, texts: list[str], target: str = "", source: str = "", model: str = "", **options):
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
         if name == "translate":
             c.add_argument("--from", dest="source", default="")
             c.add_argument("--to", dest="target", default="")
+            c.add_argument("--html", action="store_true", help="the texts are HTML: translate the text, keep the markup")
         c.add_argument("--beam", type=int)
         c.add_argument("--n-best", type=int)
         c.add_argument("--scores", action="store_true")
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
         texts = args.texts or stdin_texts(args.command)
         options = dict(beam_size=args.beam, n_best=args.n_best, return_scores=args.scores)
         if args.command == "translate":
-            response = client.translate(texts, args.target, args.source, args.model, **options)
+            response = client.translate(texts, args.target, args.source, args.model, html=args.html, **options)
         else:
             response = client.summarize(texts, args.model, **options)
         for result in response.results:

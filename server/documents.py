@@ -41,9 +41,10 @@ def whole(text: str) -> Layout:
     return Layout([text], ["", ""])
 
 
-def segment(text: str, language: str, fits: Callable[[str], bool]) -> Layout:
-    """The segments of `text` (rules 1-4 above); fits(segment) says whether the model takes it."""
-    spans = [clause for sentence in sentence_spans(text, language) for clause in fit(text, sentence, fits)]
+def segment(text: str, language: str, fits: Callable[[str], bool], by_line: bool = True) -> Layout:
+    """The segments of `text` (rules 1-4 above; rule 1 only `by_line`: in HTML a line break is a
+    space); fits(segment) says whether the model takes it."""
+    spans = [clause for sentence in sentence_spans(text, language, by_line) for clause in fit(text, sentence, fits)]
     segments, gaps, end = [], [], 0
     for start, stop in spans:
         gaps.append(text[end:start])
@@ -53,10 +54,10 @@ def segment(text: str, language: str, fits: Callable[[str], bool]) -> Layout:
     return Layout(segments, gaps)
 
 
-def sentence_spans(text: str, language: str) -> list[tuple[int, int]]:
-    """(start, end) of each sentence, whitespace excluded, line by line."""
+def sentence_spans(text: str, language: str, by_line: bool = True) -> list[tuple[int, int]]:
+    """(start, end) of each sentence, whitespace excluded (line by line, if `by_line`)."""
     spans = []
-    for line in LINES.finditer(text):
+    for line in LINES.finditer(text) if by_line else [re.match(r"(?s).*", text)]:
         for b in sentencex.get_sentence_boundaries(language, line.group()):
             span = strip(text, line.start() + b["start_index"], line.start() + b["end_index"])
             if span:

@@ -26,6 +26,8 @@ from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
 from .documents import Layout, segment, whole
+from .markup import HtmlLayout, segment_html
+from .unknowns import Alphabet, Protected, protect, restore
 from .engine.engine import Engine, Observer, Replicas
 from .engine.options import DecodingOptions, Limits, OptionError
 from .engine.result_cache import ResultCache
@@ -44,9 +46,17 @@ class InputError(ValueError):
 @dataclass
 class Document:
     """One text of a call: where its segments sit (server.documents.Layout) and a Sequence each."""
-    layout: Layout
+    layout: Layout | HtmlLayout
     sequences: list[Sequence]
+    protected: list[Protected]  # per segment: the characters taken out for the model (server.unknowns)
     truncated: bool  # a segment's source was cut to the model's limit
+
+
+@dataclass
+class Source:
+    """A segment as the model reads it."""
+    protected: Protected
+    pieces: list[int]
 
 
 @dataclass
@@ -78,6 +88,7 @@ class Pipeline:
         self.entry, self.engine, self.limits = entry, engine, limits
         self.backend, self.precision = backend, precision
         self.summarize = entry.task == "summarize"
+        self.alphabet = Alphabet(entry.sp)
         self._tagger = None
         self._torch_model = None  # loaded on the first diagnostics request
         self._torch_lock = threading.Lock()
@@ -85,12 +96,12 @@ class Pipeline:
     # ---- text -> sequences -------------------------------------------------------------------
     def documents(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
                   deadline: float | None = None, split: bool | None = None,
-                  truncate: bool | None = None) -> list[Document]:
+                  truncate: bool | None = None, markup: bool = False) -> list[Document]:
         """One Document per text, or InputError naming the first bad text and the limit it breaks.
         Translation splits each text into sentences (server.documents); summaries, and `split=False`,
-        read each text whole. A segment over the model's limit is truncated (and the document says
-        so) where `truncate`, by default when splitting or summarising (as in training); otherwise
-        it is refused."""
+        read each text whole; `markup` texts are HTML (server.markup: always split). A segment over
+        the model's limit is truncated (and the document says so) where `truncate`, by default when
+        splitting or summarising (as in training); otherwise it is refused."""
         limits = self.limits
         if not texts:
             raise InputError("no texts: send at least one")
@@ -104,9 +115,15 @@ class Pipeline:
                 raise InputError(f"text {i} is empty or only whitespace")
             if len(text) > limits.max_text_chars:
                 raise InputError(f"text {i} has {len(text)} characters; the limit is {limits.max_text_chars}")
-            layout = segment(text, self.entry.source_language, self._fits) if split else whole(text)
-            segments = [self._sequence(i, segment, options, on_done, deadline, truncate) for segment in layout.segments]
-            docs.append(Document(layout, [seq for seq, _ in segments], any(cut for _, cut in segments)))
+            if markup:
+                layout = segment_html(text, self.entry.source_language, self._fits)
+            else:
+                layout = segment(text, self.entry.source_language, self._fits) if split else whole(text)
+            if not layout.segments:
+                raise InputError(f"text {i} has no text outside its markup")
+            sources = [self._source(segment) for segment in layout.segments]
+            seqs = [self._sequence(i, source, options, on_done, deadline, truncate) for source in sources]
+            docs.append(Document(layout, seqs, [s.protected for s in sources], any(self._cut(s) for s in sources)))
         return docs
 
     def sequences(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
@@ -114,27 +131,35 @@ class Pipeline:
         """One Sequence per text, each read whole (offline decoding of sentence-level data)."""
         return [d.sequences[0] for d in self.documents(texts, options, on_done, deadline, False, truncate)]
 
-    def _pieces(self, text: str) -> list[int]:
-        return self.entry.sp.encode(normalize_input(self.entry.input_style, text))  # into the style of training
+    def _source(self, text: str) -> Source:
+        """What the model reads of a segment: the text in the style it was trained on, then, for
+        translation, without the characters the model cannot write (server.unknowns puts them
+        back; a summary leaves out what it likes, so it has none to put back)."""
+        text = normalize_input(self.entry.input_style, text)
+        protected = Protected(text, []) if self.summarize else protect(text, self.alphabet)
+        return Source(protected, self.entry.sp.encode(protected.text))
 
     def _fits(self, text: str) -> bool:
-        return len(self._pieces(text)) <= self.entry.max_src_len - 1  # room for EOS
+        return not self._cut(self._source(text))
 
-    def _sequence(self, i: int, text: str, options: DecodingOptions, on_done: Callable[[Sequence], None],
-                  deadline: float | None, truncate: bool) -> tuple[Sequence, bool]:
-        """The Sequence for one segment of text i, and whether its source was cut to fit."""
+    def _cut(self, source: Source) -> bool:
+        return len(source.pieces) > self.entry.max_src_len - 1  # room for EOS
+
+    def _sequence(self, i: int, source: Source, options: DecodingOptions, on_done: Callable[[Sequence], None],
+                  deadline: float | None, truncate: bool) -> Sequence:
+        """The Sequence for one segment of text i."""
         e = self.entry
         max_pieces = e.max_src_len - 1
-        pieces = self._pieces(text)
-        if len(pieces) > max_pieces and not truncate:
-            raise InputError(f"text {i} is {len(pieces)} pieces long; model {e.name} accepts at most {max_pieces}")
-        src = pieces[:max_pieces] + [EOS]
-        tags = self._tags(normalize_input(e.input_style, text), src) if e.cfg.pos_tags else None
+        if self._cut(source) and not truncate:
+            raise InputError(f"text {i} is {len(source.pieces)} pieces long; model {e.name} accepts at most "
+                             f"{max_pieces}")
+        src = source.pieces[:max_pieces] + [EOS]
+        tags = self._tags(source.protected.text, src) if e.cfg.pos_tags else None
         try:
             limit = options.output_limit(len(src), e.cfg.max_positions - 1, self.limits)
         except OptionError as error:
             raise InputError(f"text {i}: {error}") from None
-        return Sequence(src, options, limit, on_done, tags=tags, deadline=deadline), len(pieces) > max_pieces
+        return Sequence(src, options, limit, on_done, tags=tags, deadline=deadline)
 
     def _tags(self, text: str, src: list[int]) -> list[int]:
         from training.data import align_tags  # POS models only: the taggers load slowly
@@ -167,8 +192,9 @@ class Pipeline:
         """The document's n-best outputs, best first: output k puts each segment's k-th hypothesis
         (or its last, where it has fewer) back in the text's layout. Score = total log P / total
         length ** length_penalty, each sentence's end counted: for one sentence, its own score."""
-        per_segment = [[(self.entry.sp.decode(h.tokens), h, len(h.tokens) >= s.max_len) for h in s.hypotheses]
-                       or [("", Hypothesis([], 0.0, 0.0), False)] for s in doc.sequences]
+        per_segment = [[(restore(self.entry.sp.decode(h.tokens), protected), h, len(h.tokens) >= s.max_len)
+                        for h in s.hypotheses] or [(restore("", protected), Hypothesis([], 0.0, 0.0), False)]
+                       for s, protected in zip(doc.sequences, doc.protected)]
         penalty = doc.sequences[0].options.length_penalty
         outputs = []
         for k in range(max(map(len, per_segment))):

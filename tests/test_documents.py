@@ -5,6 +5,7 @@ codes; the CLI translates stdin as one document."""
 from __future__ import annotations
 
 import io
+from html.parser import HTMLParser
 
 import grpc
 import pytest
@@ -14,8 +15,10 @@ from server import client as client_cli
 from server.client import Client
 from server.documents import segment, whole
 from server.languages import normalize
-from tests.served import RunningServer, config_for
-from training.data import load_examples
+from server.markup import segment_html
+from server.unknowns import Alphabet, protect, restore
+from tests.served import REPO, RunningServer, config_for
+from training.data import load_examples, load_sentencepiece
 
 CODE = grpc.StatusCode
 LAYOUTS = ["Ein Hund läuft. Eine Katze schläft.", "  Zwei Männer.\n\nDrei Frauen!\n", "A.\r\nB?\tC.\n\n\n",
@@ -53,6 +56,86 @@ def test_a_clause_that_cannot_fit_stays_whole():
     text = "ein sehr langer Satz ohne jedes Komma"
     assert segment(text, "de", lambda s: len(s) < 10).segments == [text]
     assert whole(" x. y. ").segments == [" x. y. "]
+
+
+SPECIAL = {"Der Preis ist 5€ 😀 日本.": ["€ 😀 日本"], "Ein Koch mit Sushi 寿司.": ["寿司"], "東京": ["東京"],
+           "Eine Frau namens Ångström in Łódź ½ Stunde lang ™.": ["Å", "Łódź ½", "™"]}
+
+
+@pytest.fixture(scope="module")
+def alphabet():
+    """The shipped de-en model's: Multi30K's alphabet."""
+    return Alphabet(load_sentencepiece(REPO / "models" / "multi30k-de-en" / "spm.model"))
+
+
+@pytest.mark.parametrize("text, runs", SPECIAL.items())
+def test_characters_the_model_cannot_write_are_taken_out_and_put_back(alphabet, text, runs):
+    protected = protect(text, alphabet)
+    assert [run.text for run in protected.runs] == runs
+    assert all(c in alphabet for c in protected.text)
+    assert restore(protected.text, protected).replace(" ", "") == text.replace(" ", "")  # in place, spacing aside
+    for output in ("", "A dog.", "Ein Koch mit Sushi."):
+        assert all(run in restore(output, protected) for run in runs)
+
+
+def test_a_sentence_with_nothing_foreign_is_read_as_it_is(alphabet):
+    sentences = german(200)
+    assert [protect(s, alphabet).text for s in sentences] == sentences
+
+
+PAGE = """<!DOCTYPE html>
+<html><head><title>Hunde</title><style>p > b { color: red; }</style></head>
+<body>
+  <h1>Ein Tag im Park</h1>
+  <p class="intro">Ein <b>großer</b> Hund läuft über die Wiese. Eine <a href="/k?a=1&amp;b=2">kleine Katze</a> schläft
+     &amp; träumt.</p>
+  <ul><li>Zwei Männer spielen Fußball.</li><li><i>Ein Kind lacht.</i> <!-- zweiter Satz --> Es regnet.</li></ul>
+  <p>Ein Mann&nbsp;sitzt<br>auf einer Bank.</p>
+  <script>if (a < b) { go(); }</script>
+</body></html>
+"""
+
+
+class Markup(HTMLParser):
+    """A document's markup in order: tags with their attributes, entities, comments, declarations."""
+
+    def __init__(self, document: str):
+        super().__init__(convert_charrefs=False)
+        self.seen = []
+        self.feed(document)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        self.seen.append(("start", tag, attrs))
+
+    def handle_startendtag(self, tag, attrs):
+        self.seen.append(("startend", tag, attrs))
+
+    def handle_endtag(self, tag):
+        self.seen.append(("end", tag))
+
+    def handle_entityref(self, name):
+        self.seen.append(("entity", name))
+
+    def handle_comment(self, data):
+        self.seen.append(("comment", data))
+
+    def handle_decl(self, decl):
+        self.seen.append(("decl", decl))
+
+
+def test_html_sentences_span_inline_tags_and_leave_the_rest_alone():
+    layout = segment_html(PAGE, "de", lambda s: True)
+    assert [" ".join(s.split()) for s in layout.segments] == [
+        "Hunde", "Ein Tag im Park", "Ein großer Hund läuft über die Wiese.", "Eine kleine Katze schläft träumt.",
+        "Zwei Männer spielen Fußball.", "Ein Kind lacht.", "Es regnet.", "Ein Mann sitzt", "auf einer Bank."]
+    assert Markup(layout.join(layout.segments)).seen == Markup(PAGE).seen
+
+
+def test_inline_tags_go_to_the_same_relative_word_position():
+    layout = segment_html('<p>Ein <b>großer</b> Hund &amp; eine <a href="x">Katze</a>.</p>', "de", lambda s: True)
+    # &amp; stood after 3 of 5 words: before word round(3 / 5 * 6) = 4 of the 6
+    assert layout.join(["A big dog and a cat."]) == '<p>A <b>big</b> dog and &amp; a <a href="x">cat</a>.</p>'
 
 
 @pytest.mark.parametrize("code", ["de", "DE", "de-DE", "de_AT", "deu", "ger", " de "])
@@ -159,3 +242,21 @@ def test_the_cli_translates_stdin_as_one_document(server, monkeypatch, capsys):
     assert client_cli.main(["--address", server.address, "translate", "--to", "en", "--beam", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n\n") == text.count("\n\n") and out.endswith("\n") and not out.endswith("\n\n")
+
+
+def test_special_characters_survive_the_round_trip(client):
+    texts = list(SPECIAL)
+    results = client.translate([" ".join(texts[:2]) + "\n\n" + texts[2], texts[3]], target="en").results
+    outputs = [h.text for r in results for h in r.hypotheses]
+    assert all(run in outputs[0] for runs in list(SPECIAL.values())[:3] for run in runs)
+    assert all(run in outputs[1] for run in SPECIAL[texts[3]])
+    assert "⁇" not in "".join(outputs) and "\n\n" in outputs[0]
+
+
+def test_html_comes_back_with_identical_markup(client):
+    response = client.translate([PAGE, "<p>Ein <b>Hund</b> 😀.</p>"], target="en", html=True, beam_size=2).results
+    out = response[0].hypotheses[0].text
+    assert Markup(out).seen == Markup(PAGE).seen
+    assert response[0].sentences == 9 and "<script>if (a < b) { go(); }</script>" in out
+    assert Markup(response[1].hypotheses[0].text).seen == Markup("<p><b></b></p>").seen
+    assert "😀" in response[1].hypotheses[0].text

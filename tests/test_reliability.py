@@ -35,6 +35,7 @@ from server.engine.options import DecodingOptions
 from server.documents import segment
 from server.engine.sequence import CANCELLED, DEADLINE
 from server.languages import normalize
+from server.unknowns import Alphabet, protect
 from tests.served import RunningServer, ServerProcess, config_for, free_port
 from training.data import load_examples, normalize_input
 
@@ -124,8 +125,16 @@ def diagnostics_problem(entry, options: pb.DecodingOptions) -> str:
     return "diagnostics" if options.return_diagnostics and not (entry.cfg.gret and entry.checkpoint) else ""
 
 
+alphabets: dict[str, Alphabet] = {}
+
+
 def pieces(entry, text: str) -> int:
-    return len(entry.sp.encode(normalize_input(entry.input_style, text)))
+    """What the model reads of a segment: the text in its input style, and for translation its
+    characters the model cannot write behind placeholders (server.unknowns)."""
+    text = normalize_input(entry.input_style, text)
+    if entry.task == "translate":
+        text = protect(text, alphabets.setdefault(entry.name, Alphabet(entry.sp))).text
+    return len(entry.sp.encode(text))
 
 
 def reads_whole(request) -> bool:
