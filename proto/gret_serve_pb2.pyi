@@ -118,14 +118,16 @@ class TextResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., result_cache_hit: _Optional[bool] = ..., truncated: _Optional[bool] = ..., sentences: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("model", "model_version", "results")
+    __slots__ = ("model", "model_version", "results", "source_language")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: str
     results: _containers.RepeatedCompositeFieldContainer[TextResult]
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TextResult, _Mapping]]] = ...) -> None: ...
+    source_language: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TextResult, _Mapping]]] = ..., source_language: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

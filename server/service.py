@@ -27,6 +27,7 @@ from .engine.engine import Draining
 from .engine.options import DecodingOptions, OptionError
 from .engine.scheduler import QueueFull
 from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
+from .languages import AUTO, normalize
 from .metrics import Metrics
 from .pipeline import Document, InputError, Pipeline
 from .registry import ModelNotFound, Registry
@@ -151,13 +152,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             await asyncio.gather(*done)
             self._raise_failures(call.seqs)
             results = [await self._result(call.pipeline, i, d) for i, d in enumerate(call.docs)]
-            return pb.GenerateResponse(model=call.pipeline.entry.name, model_version=call.pipeline.entry.version,
-                                       results=results)
+            return self._response(call.pipeline, results)
 
     async def _stream(self, method, task, request, context, source="", target=""):
         async with self._accounted(method, context, Call(self._label(request.model))) as call:
             done = await self._submit(call, task, request, context, source, target)
-            entry, docs = call.pipeline.entry, call.docs
+            docs = call.docs
             index = {id(f): i for i, f in enumerate(done)}
             pending = set(done)
             while pending:
@@ -165,14 +165,16 @@ class InferenceService(pb_grpc.InferenceServicer):
                 for f in sorted(finished, key=lambda f: index[id(f)]):
                     i = index[id(f)]
                     self._raise_failures(docs[i].sequences)
-                    await context.write(pb.GenerateResponse(model=entry.name, model_version=entry.version,
-                                                            results=[await self._result(call.pipeline, i, docs[i])]))
+                    await context.write(self._response(call.pipeline, [await self._result(call.pipeline, i, docs[i])]))
 
     async def _submit(self, call: Call, task, request, context, source, target) -> list[asyncio.Future]:
         """Checks the request and queues its texts (recorded in `call`); one future per text, done
         when all the text's sequences are."""
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        if task == "translate" and not request.model and normalize(source) == AUTO:  # off the loop: it may load the model
+            source = await asyncio.get_running_loop().run_in_executor(
+                None, self.registry.detect_source, list(request.texts), target)
         try:
             pipeline = self.registry.find(task, request.model, source, target)
         except ModelNotFound as e:
@@ -221,6 +223,12 @@ class InferenceService(pb_grpc.InferenceServicer):
         except Draining as e:
             raise CallError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         return futures
+
+    @staticmethod
+    def _response(pipeline: Pipeline, results: list[pb.TextResult]) -> pb.GenerateResponse:
+        e = pipeline.entry
+        return pb.GenerateResponse(model=e.name, model_version=e.version, results=results,
+                                   source_language=e.source_language)
 
     @staticmethod
     def _raise_failures(seqs: list[Sequence]) -> None:

@@ -260,3 +260,11 @@ def test_html_comes_back_with_identical_markup(client):
     assert response[0].sentences == 9 and "<script>if (a < b) { go(); }</script>" in out
     assert Markup(response[1].hypotheses[0].text).seen == Markup("<p><b></b></p>").seen
     assert "😀" in response[1].hypotheses[0].text
+
+
+@pytest.mark.parametrize("text, detected, model", [
+    ("Ein Hund läuft über die Wiese und ein Mann schaut zu.", "de", "tiny-de-en"),
+    ("A dog runs across the meadow and a man watches.", "en", "tiny-en-de")])
+def test_auto_detects_the_source_language(client, text, detected, model):
+    response = client.translate([text], source="auto")
+    assert (response.source_language, response.model) == (detected, model)

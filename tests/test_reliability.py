@@ -90,6 +90,8 @@ def expected(server: RunningServer, method: str, request) -> Expected:
     else:
         source, target = (normalize(request.source_language), normalize(request.target_language)) \
             if task == "translate" else ("", "")
+        if source == "auto":  # detected among the sources of the models into the target
+            source = server.registry.detect_source(list(request.texts), target)
         fits = sorted(n for n, e in models.items() if e.task == task and source in ("", e.source_language)
                       and target in ("", e.target_language))
         if not fits:
@@ -310,7 +312,7 @@ options = st.one_of(
               return_diagnostics=st.booleans()),
 )
 model = st.one_of(st.just(""), st.sampled_from(["tiny-de-en", "tiny-en-de", "tiny-headlines"]), st.text(max_size=12))
-language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE", "de-DE", "eng", "ger"]), st.text(max_size=4))
+language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE", "de-DE", "eng", "ger", "auto"]), st.text(max_size=4))
 
 
 @st.composite
