@@ -5,7 +5,7 @@ import importlib
 import sys
 
 COMMANDS = {"engine": "bench.engine", "server": "bench.server", "report": "bench.report",
-            "segmenters": "bench.segmenters", "unknowns": "bench.unknowns"}
+            "segmenters": "bench.segmenters", "unknowns": "bench.unknowns", "documents": "bench.documents"}
 
 
 def main(argv=None) -> int:

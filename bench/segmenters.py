@@ -1,6 +1,6 @@
 """Which sentence segmenter serves documents best: split accuracy and speed on real text.
 
-    python -m bench segmenters [--split test_2016_flickr] [--out docs/results/segmenters.json]
+    python -m bench segmenters [--split test_2016_flickr] [--publish]
 
 Multi30K captions are joined into paragraphs of 1 to 6 sentences (one space between them) and
 paragraphs into documents (a blank line between them), so the true sentence boundaries are known.
@@ -14,8 +14,8 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 
+from bench import add_publish, results_dir
 from training.data import load_examples
 
 LANGUAGES = ("de", "en", "fr")
@@ -93,7 +93,7 @@ def score(starts_of, docs) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench segmenters", description=__doc__)
     p.add_argument("--split", default="test_2016_flickr")
-    p.add_argument("--out", default="docs/results/segmenters.json")
+    add_publish(p)
     args = p.parse_args(argv)
     results = {}
     for lang in LANGUAGES:
@@ -104,7 +104,9 @@ def main(argv=None) -> int:
             docs = documents(sentences)
             for name, make in SEGMENTERS.items():
                 results.setdefault(f"{name} ({variant})", {})[lang] = score(make(lang), docs)
-    Path(args.out).write_text(json.dumps({"split": args.split, "results": results}, indent=2) + "\n")
+    out = results_dir(args.publish)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "segmenters.json").write_text(json.dumps({"split": args.split, "results": results}, indent=2) + "\n")
     print("| segmenter | " + " | ".join(f"{lang} F1 | {lang} exact" for lang in LANGUAGES) + " | chars/s (de) |")
     print("|---" * (2 * len(LANGUAGES) + 2) + "|")
     for name, by_lang in results.items():

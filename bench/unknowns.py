@@ -1,6 +1,6 @@
 """Characters a model cannot write: two ways to keep them, measured on a shipped model.
 
-    python -m bench unknowns [--model models/multi30k-de-en] [--sample 200] [--out docs/results/unknowns.json]
+    python -m bench unknowns [--model models/multi30k-de-en] [--sample 200] [--publish]
 
 Placeholders: a run of foreign characters is replaced by a word the model should copy. Each
 candidate is put, as a word of its own, in the middle of `sample` Multi30K test sentences; a copy
@@ -22,6 +22,7 @@ from server.engine.sequence import Sequence
 from server.models import load_entry
 from server.pipeline import build_pipeline
 from server.unknowns import protect
+from bench import add_publish, results_dir
 from training.data import EOS, load_examples
 from training.metrics import bleu
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="models/multi30k-de-en")
     p.add_argument("--sample", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="docs/results/unknowns.json")
+    add_publish(p)
     args = p.parse_args(argv)
     entry = load_entry(Path(args.model), "torch")
     pipeline = build_pipeline(entry, "torch", threads=args.threads, limits=Limits(max_texts=10_000))
@@ -79,8 +80,8 @@ def main(argv=None) -> int:
     scores = {"plain": {"bleu": round(bleu(plain, refs), 2)}}
     for name, outputs in approaches.items():
         cleaned = [" ".join(o.replace(run, " ").split()) for run, o in zip(inserted, outputs)]
-        scores[name] = {"bleu": round(bleu(cleaned, refs), 2),
-                        "runs_kept_percent": round(100 * sum(run in o for run, o in zip(inserted, outputs)) / len(sources), 1)}
+        kept = sum(run in o for run, o in zip(inserted, outputs))
+        scores[name] = {"bleu": round(bleu(cleaned, refs), 2), "runs_kept_percent": round(100 * kept / len(sources), 1)}
         print(name, scores[name], flush=True)
 
     special = [{"source": s, "read_as": entry.sp.decode(entry.sp.encode(s)), "output": o,
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     result = {"model": args.model, "split": "test_2016_flickr", "sample": len(sources), "placeholder_copied": copied,
               "scores": scores, "special": special,
               "test_sentences_with_foreign_characters": sum(bool(protect(s, pipeline.alphabet).runs) for s in sources)}
-    Path(args.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    out = results_dir(args.publish)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "unknowns.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "special"}, indent=2, ensure_ascii=False))
     return 0

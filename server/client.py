@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         if name == "translate":
             c.add_argument("--from", dest="source", default="")
             c.add_argument("--to", dest="target", default="")
-            c.add_argument("--html", action="store_true", help="the texts are HTML: translate the text, keep the markup")
+            c.add_argument("--html", action="store_true",
+                           help="the texts are HTML: translate the text, keep the markup")
         c.add_argument("--beam", type=int)
         c.add_argument("--n-best", type=int)
         c.add_argument("--scores", action="store_true")

@@ -3,10 +3,11 @@
 The stdlib parser (html.parser) cuts the document into text and markup, each kept as its exact
 source slice. Markup is inline (the tags in INLINE, entities and character references, comments)
 or a block boundary (every other tag). The text between two block boundaries, read without its
-inline markup, is one plain text, segmented into sentences like any text (server.documents; a line
-break, though, is only a space), so a sentence that spans <b> or <a> is translated as one sentence. The output is the document again:
-block markup and the whitespace between sentences exactly as they were, each sentence's
-translation escaped as HTML text, and the sentence's inline markup put back by these rules:
+inline markup, is one plain text, segmented into sentences like any text (server.documents; a
+line break, though, is only a space), so a sentence that spans <b> or <a> is translated as one
+sentence. The output is the document again: block markup and the whitespace between sentences
+exactly as they were, each sentence's translation escaped as HTML text, and the sentence's inline
+markup put back by these rules:
   - markup between sentences (or at a sentence's very edge) stays there, in its whitespace;
   - markup inside a sentence goes to the same relative word position (the share of the
     sentence's words before it): an opening tag before the word there, a closing tag after the

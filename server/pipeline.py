@@ -121,7 +121,7 @@ class Pipeline:
                 layout = segment(text, self.entry.source_language, self._fits) if split else whole(text)
             if not layout.segments:
                 raise InputError(f"text {i} has no text outside its markup")
-            sources = [self._source(segment) for segment in layout.segments]
+            sources = [self._source(part) for part in layout.segments]
             seqs = [self._sequence(i, source, options, on_done, deadline, truncate) for source in sources]
             docs.append(Document(layout, seqs, [s.protected for s in sources], any(self._cut(s) for s in sources)))
         return docs
@@ -207,10 +207,11 @@ class Pipeline:
                                   any(at_limit for _, _, at_limit in picked)))
         return sorted(outputs, key=lambda o: -o.score)
 
-    def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(),
-               truncate: bool | None = None) -> list[str]:
-        """Offline: best hypothesis per text (read whole), driving the (not started) engine on this thread."""
-        docs = self.documents(texts, options, on_done=lambda s: None, split=False, truncate=truncate)
+    def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(), truncate: bool | None = None,
+               split: bool = False, markup: bool = False) -> list[str]:
+        """Offline: best hypothesis per text (read whole unless `split`), driving the (not started)
+        engine on this thread."""
+        docs = self.documents(texts, options, lambda s: None, None, split, truncate, markup)
         seqs = [s for d in docs for s in d.sequences]
         self.engine.submit(seqs)
         self.engine.run_until_idle()

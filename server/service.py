@@ -172,7 +172,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         when all the text's sequences are."""
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-        if task == "translate" and not request.model and normalize(source) == AUTO:  # off the loop: it may load the model
+        if task == "translate" and not request.model and normalize(source) == AUTO:
             source = await asyncio.get_running_loop().run_in_executor(
                 None, self.registry.detect_source, list(request.texts), target)
         try:

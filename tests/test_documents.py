@@ -163,6 +163,7 @@ def document(sentences: list[str]) -> str:
     return "\n\n".join(paragraphs[:-1]) + "\n\n   " + paragraphs[-1] + "\n"
 
 
+@pytest.mark.slow  # a real server
 def test_a_document_is_its_sentences_translated_one_by_one_in_place(client):
     sentences = german(5)
     text = document(sentences)
@@ -177,6 +178,7 @@ def test_a_document_is_its_sentences_translated_one_by_one_in_place(client):
     assert len(result.hypotheses) == 2 and result.hypotheses[0].score >= result.hypotheses[1].score
 
 
+@pytest.mark.slow  # a real server
 def test_a_long_text_is_no_longer_refused_unless_sent_as_one_sequence(client, server):
     text = " ".join(german(30, offset=20))
     pieces = len(server.registry.pipelines["tiny-de-en"].entry.sp.encode(text))
@@ -189,12 +191,14 @@ def test_a_long_text_is_no_longer_refused_unless_sent_as_one_sequence(client, se
     assert f"text 1 is {pieces} pieces long" in info.value.details() and "at most 127" in info.value.details()
 
 
+@pytest.mark.slow  # a real server
 def test_a_sentence_that_cannot_be_split_is_truncated_and_says_so(client):
     result = client.translate(["Hund " * 300, "Ein Hund."], target="en", beam_size=1).results
     assert result[0].truncated and result[0].sentences == 1 and result[0].source_tokens == 128
     assert not result[1].truncated
 
 
+@pytest.mark.slow  # a real server
 def test_finish_reasons_tell_the_length_limit_from_an_end_of_sentence(client):
     cut = client.translate(german(3), target="en", max_length=3, min_length=3, n_best=2).results
     assert all(h.finish_reason == pb.LENGTH and h.tokens == 3 for r in cut for h in r.hypotheses)
@@ -205,6 +209,7 @@ def test_finish_reasons_tell_the_length_limit_from_an_end_of_sentence(client):
         assert h.finish_reason == (pb.END_OF_SENTENCE if h.tokens < limit else pb.LENGTH)
 
 
+@pytest.mark.slow  # a real server
 def test_streaming_sends_each_document_once(client):
     texts = [document(german(4, offset=60)), german(1, offset=70)[0], document(german(3, offset=80))]
     streamed = {r.results[0].index: r.results[0] for r in client.translate_stream(texts, target="en")}
@@ -214,6 +219,7 @@ def test_streaming_sends_each_document_once(client):
     assert [streamed[i].sentences for i in range(3)] == [4, 1, 3]
 
 
+@pytest.mark.slow  # a real server
 def test_metrics_count_texts_and_sentences(client, server):
     def count(name: str) -> float:
         return server.metrics.registry.get_sample_value(name, {"model": "tiny-de-en", "status": "ok"}) or 0.0
@@ -223,6 +229,7 @@ def test_metrics_count_texts_and_sentences(client, server):
     assert (count("gret_serve_texts_total") - before[0], count("gret_serve_sentences_total") - before[1]) == (2, 5)
 
 
+@pytest.mark.slow  # a real server
 def test_list_models_gives_input_and_option_limits(client):
     info = {m.name: m for m in client.list_models()}
     assert info["tiny-de-en"].max_input_pieces == 127 and info["tiny-headlines"].max_input_pieces == 63
@@ -231,11 +238,13 @@ def test_list_models_gives_input_and_option_limits(client):
     assert 0 < limits.max_output_tokens <= 256
 
 
+@pytest.mark.slow  # a real server
 @pytest.mark.parametrize("source, target", [("deu", "EN"), ("de-DE", "en_US"), ("DE", "eng")])
 def test_language_codes_are_normalised(client, source, target):
     assert client.translate(["Ein Hund."], source=source, target=target).model == "tiny-de-en"
 
 
+@pytest.mark.slow  # a real server
 def test_the_cli_translates_stdin_as_one_document(server, monkeypatch, capsys):
     text = document(german(3, offset=100))
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
@@ -244,6 +253,7 @@ def test_the_cli_translates_stdin_as_one_document(server, monkeypatch, capsys):
     assert out.count("\n\n") == text.count("\n\n") and out.endswith("\n") and not out.endswith("\n\n")
 
 
+@pytest.mark.slow  # a real server
 def test_special_characters_survive_the_round_trip(client):
     texts = list(SPECIAL)
     results = client.translate([" ".join(texts[:2]) + "\n\n" + texts[2], texts[3]], target="en").results
@@ -253,6 +263,7 @@ def test_special_characters_survive_the_round_trip(client):
     assert "⁇" not in "".join(outputs) and "\n\n" in outputs[0]
 
 
+@pytest.mark.slow  # a real server
 def test_html_comes_back_with_identical_markup(client):
     response = client.translate([PAGE, "<p>Ein <b>Hund</b> 😀.</p>"], target="en", html=True, beam_size=2).results
     out = response[0].hypotheses[0].text
@@ -262,6 +273,7 @@ def test_html_comes_back_with_identical_markup(client):
     assert "😀" in response[1].hypotheses[0].text
 
 
+@pytest.mark.slow  # a real server
 @pytest.mark.parametrize("text, detected, model", [
     ("Ein Hund läuft über die Wiese und ein Mann schaut zu.", "de", "tiny-de-en"),
     ("A dog runs across the meadow and a man watches.", "en", "tiny-en-de")])
