@@ -5,7 +5,8 @@ import importlib
 import sys
 
 COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed",
-            "replicas": "bench.replicas", "http": "bench.http", "report": "bench.report"}
+            "replicas": "bench.replicas", "http": "bench.http", "report": "bench.report",
+            "segmenters": "bench.segmenters", "unknowns": "bench.unknowns", "documents": "bench.documents"}
 
 
 def main(argv=None) -> int:

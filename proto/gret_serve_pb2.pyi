@@ -1,10 +1,27 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TextFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TEXT: _ClassVar[TextFormat]
+    HTML: _ClassVar[TextFormat]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    END_OF_SENTENCE: _ClassVar[FinishReason]
+    LENGTH: _ClassVar[FinishReason]
+TEXT: TextFormat
+HTML: TextFormat
+FINISH_REASON_UNSPECIFIED: FinishReason
+END_OF_SENTENCE: FinishReason
+LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
     __slots__ = ("beam_size", "length_penalty", "max_length", "max_length_ratio", "max_length_offset", "min_length", "n_best", "return_scores", "no_repeat_ngram_size", "return_diagnostics")
@@ -31,18 +48,22 @@ class DecodingOptions(_message.Message):
     def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("texts", "source_language", "target_language", "model", "options")
+    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    AS_ONE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     source_language: str
     target_language: str
     model: str
     options: DecodingOptions
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ...) -> None: ...
+    as_one_sequence: bool
+    format: TextFormat
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ..., format: _Optional[_Union[TextFormat, str]] = ...) -> None: ...
 
 class SummarizeRequest(_message.Message):
     __slots__ = ("texts", "model", "options")
@@ -55,16 +76,18 @@ class SummarizeRequest(_message.Message):
     def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ...) -> None: ...
 
 class Hypothesis(_message.Message):
-    __slots__ = ("text", "score", "log_prob", "tokens")
+    __slots__ = ("text", "score", "log_prob", "tokens", "finish_reason")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     LOG_PROB_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     text: str
     score: float
     log_prob: float
     tokens: int
-    def __init__(self, text: _Optional[str] = ..., score: _Optional[float] = ..., log_prob: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+    finish_reason: FinishReason
+    def __init__(self, text: _Optional[str] = ..., score: _Optional[float] = ..., log_prob: _Optional[float] = ..., tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class Diagnostics(_message.Message):
     __slots__ = ("gate", "routing_agreement")
@@ -75,37 +98,43 @@ class Diagnostics(_message.Message):
     def __init__(self, gate: _Optional[_Iterable[float]] = ..., routing_agreement: _Optional[float] = ...) -> None: ...
 
 class TextResult(_message.Message):
-    __slots__ = ("index", "hypotheses", "diagnostics", "source_tokens", "encoder_cache_hit", "result_cache_hit")
+    __slots__ = ("index", "hypotheses", "diagnostics", "source_tokens", "encoder_cache_hit", "result_cache_hit", "truncated", "sentences")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HYPOTHESES_FIELD_NUMBER: _ClassVar[int]
     DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     RESULT_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SENTENCES_FIELD_NUMBER: _ClassVar[int]
     index: int
     hypotheses: _containers.RepeatedCompositeFieldContainer[Hypothesis]
     diagnostics: Diagnostics
     source_tokens: int
     encoder_cache_hit: bool
     result_cache_hit: bool
-    def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., result_cache_hit: _Optional[bool] = ...) -> None: ...
+    truncated: bool
+    sentences: int
+    def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., result_cache_hit: _Optional[bool] = ..., truncated: _Optional[bool] = ..., sentences: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("model", "model_version", "results")
+    __slots__ = ("model", "model_version", "results", "source_language")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: str
     results: _containers.RepeatedCompositeFieldContainer[TextResult]
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TextResult, _Mapping]]] = ...) -> None: ...
+    source_language: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TextResult, _Mapping]]] = ..., source_language: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "task", "source_language", "target_language", "architecture", "backend", "precision", "parameters", "is_default")
+    __slots__ = ("name", "version", "task", "source_language", "target_language", "architecture", "backend", "precision", "parameters", "is_default", "max_input_pieces", "limits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +145,8 @@ class ModelInfo(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_PIECES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     task: str
@@ -126,7 +157,25 @@ class ModelInfo(_message.Message):
     precision: str
     parameters: int
     is_default: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., task: _Optional[str] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., architecture: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., parameters: _Optional[int] = ..., is_default: _Optional[bool] = ...) -> None: ...
+    max_input_pieces: int
+    limits: Limits
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., task: _Optional[str] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., architecture: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., parameters: _Optional[int] = ..., is_default: _Optional[bool] = ..., max_input_pieces: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_beam_size", "max_n_best", "max_output_tokens", "max_texts", "max_text_chars", "max_no_repeat_ngram_size")
+    MAX_BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_BEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_beam_size: int
+    max_n_best: int
+    max_output_tokens: int
+    max_texts: int
+    max_text_chars: int
+    max_no_repeat_ngram_size: int
+    def __init__(self, max_beam_size: _Optional[int] = ..., max_n_best: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_texts: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_no_repeat_ngram_size: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -65,7 +65,10 @@ class InferenceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Translate(self, request, context):
-        """Translate every text; the response holds one result per text, in request order.
+        """Translate every text; the response holds one result per text, in request order. A text may
+        hold many sentences and paragraphs: each sentence is decoded on its own (all of a call's
+        sentences in the same batch) and the translations are put back in the text's own whitespace,
+        newlines and blank lines.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

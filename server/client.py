@@ -1,6 +1,7 @@
 """Python client and CLI for a gret-serve server.
 
     python -m server.client translate --to en "Ein Hund läuft."
+    python -m server.client translate --to en < brief.txt   # the whole file as one document
     python -m server.client summarize "long article ..."
     python -m server.client models
     python -m server.client health           # exit 0 when SERVING (Docker HEALTHCHECK)
@@ -35,8 +36,9 @@ class Client:
         self.timeout = timeout
 
     def translate(self, texts: list[str], target: str = "", source: str = "", model: str = "",
-                  **options) -> pb.GenerateResponse:
+                  as_one_sequence: bool = False, html: bool = False, **options) -> pb.GenerateResponse:
         request = pb.TranslateRequest(texts=texts, source_language=source, target_language=target, model=model,
+                                      as_one_sequence=as_one_sequence, format=pb.HTML if html else pb.TEXT,
                                       options=decoding_options(**options))
         return self.stub.Translate(request, timeout=self.timeout, metadata=self.metadata)
 
@@ -74,6 +76,14 @@ def decoding_options(**options) -> pb.DecodingOptions:
     return pb.DecodingOptions(**{k: v for k, v in options.items() if v is not None})
 
 
+def stdin_texts(command: str) -> list[str]:
+    """A translation reads stdin as one document (the server splits it into sentences and keeps
+    its layout); headlines and subjects are one per text, so a summary reads each non-blank line."""
+    if command == "translate":
+        return [sys.stdin.read()]
+    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m server.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,11 +94,14 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("translate", "summarize"):
         c = sub.add_parser(name)
-        c.add_argument("texts", nargs="*", help="texts (default: one per line on stdin)")
+        c.add_argument("texts", nargs="*", help="texts (default: stdin, translated as one document with its "
+                                                "paragraphs and blank lines; summarised one line at a time)")
         c.add_argument("--model", default="")
         if name == "translate":
             c.add_argument("--from", dest="source", default="")
             c.add_argument("--to", dest="target", default="")
+            c.add_argument("--html", action="store_true",
+                           help="the texts are HTML: translate the text, keep the markup")
         c.add_argument("--beam", type=int)
         c.add_argument("--n-best", type=int)
         c.add_argument("--scores", action="store_true")
@@ -107,15 +120,16 @@ def main(argv=None) -> int:
                 print(f"{m.name}\t{m.task} {m.source_language}->{m.target_language}\t{m.architecture}\t"
                       f"{m.backend} {m.precision}\tversion {m.version}{default}")
             return 0
-        texts = args.texts or [line.rstrip("\n") for line in sys.stdin]
+        texts = args.texts or stdin_texts(args.command)
         options = dict(beam_size=args.beam, n_best=args.n_best, return_scores=args.scores)
         if args.command == "translate":
-            response = client.translate(texts, args.target, args.source, args.model, **options)
+            response = client.translate(texts, args.target, args.source, args.model, html=args.html, **options)
         else:
             response = client.summarize(texts, args.model, **options)
         for result in response.results:
             for h in result.hypotheses:
-                print(f"{h.text}\t{h.score:.4f}" if args.scores else h.text)
+                text = f"{h.text}\t{h.score:.4f}" if args.scores else h.text
+                print(text, end="" if text.endswith("\n") else "\n")  # a document keeps its own last newline
         return 0
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -20,25 +20,28 @@ class Metrics:
                                 ["model", "method", "code"], registry=r)
         self.request_seconds = Histogram("gret_serve_request_seconds", "Call latency, end to end, whatever the outcome",
                                          ["model", "method"], buckets=LATENCY, registry=r)
-        self.queue_seconds = Histogram("gret_serve_queue_seconds", "Per text: waiting before admission",
+        self.queue_seconds = Histogram("gret_serve_queue_seconds", "Per sentence: waiting before admission",
                                        ["model"], buckets=LATENCY, registry=r)
         self.encode_seconds = Histogram("gret_serve_encode_seconds", "Per admitted group: the encoder pass",
                                         ["model"], buckets=LATENCY, registry=r)
-        self.decode_seconds = Histogram("gret_serve_decode_seconds", "Per text: from encoded to finished",
+        self.decode_seconds = Histogram("gret_serve_decode_seconds", "Per sentence: from encoded to finished",
                                         ["model"], buckets=LATENCY, registry=r)
-        self.text_seconds = Histogram("gret_serve_text_seconds", "Per text: from queued to finished",
+        self.text_seconds = Histogram("gret_serve_text_seconds", "Per sentence: from queued to finished",
                                       ["model"], buckets=LATENCY, registry=r)
         self.step_seconds = Histogram("gret_serve_step_seconds", "One decoder step of the running batch",
                                       ["model"], buckets=LATENCY, registry=r)
-        self.rows_per_step = Histogram("gret_serve_rows_per_step", "Rows (beams of all texts) per decoder step",
+        self.rows_per_step = Histogram("gret_serve_rows_per_step", "Rows (beams of all sentences) per decoder step",
                                        ["model"], buckets=ROWS, registry=r)
         self.batch_rows = Gauge("gret_serve_batch_rows", "Rows in the last decoder step", ["model"], registry=r)
         self.decoded_rows = Counter("gret_serve_decoded_rows", "Rows run through the decoder (one token each)",
                                     ["model"], registry=r)
         self.generated_tokens = Counter("gret_serve_generated_tokens", "Output tokens of the returned best hypotheses",
                                         ["model"], registry=r)
+        # A text of a call is decoded as one or more sentences (server.documents): both are counted.
         self.texts = Counter("gret_serve_texts", "Texts finished, by outcome", ["model", "status"], registry=r)
-        self.queue_depth = Gauge("gret_serve_queue_depth", "Texts waiting for admission", ["model"], registry=r)
+        self.sentences = Counter("gret_serve_sentences", "Sentences (engine sequences) finished, by outcome",
+                                 ["model", "status"], registry=r)
+        self.queue_depth = Gauge("gret_serve_queue_depth", "Sentences waiting for admission", ["model"], registry=r)
         self.model_info = Gauge("gret_serve_model_info", "Loaded models (value 1)",
                                 ["model", "version", "task", "backend", "precision", "architecture"], registry=r)
         self.input_pieces = Histogram("gret_serve_input_pieces", "Per text: source pieces (end of sentence included)",
@@ -58,6 +61,9 @@ class Metrics:
     def submitted(self, model: str, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.input_pieces.labels(model).observe(len(s.src))
+
+    def text_finished(self, model: str, status: str) -> None:
+        self.texts.labels(model, status).inc()
 
     def observer(self, model: str) -> Observer:
         return _ModelObserver(self, model)
@@ -93,7 +99,7 @@ class _ModelObserver(Observer):
 
     def finished(self, seq: Sequence) -> None:
         m, model = self.m, self.model
-        m.texts.labels(model, seq.status).inc()
+        m.sentences.labels(model, seq.status).inc()
         if seq.admitted is not None:
             m.queue_seconds.labels(model).observe(seq.admitted - seq.created)
         if seq.status == OK:
@@ -111,8 +117,8 @@ ENCODER_CACHE = {
     "bytes": (GaugeMetricFamily, "gret_serve_encoder_cache_bytes", "Bytes held by the encoder cache"),
 }
 RESULT_CACHE = {
-    "hits": (CounterMetricFamily, "gret_serve_result_cache_hits", "Texts answered from the result cache"),
-    "misses": (CounterMetricFamily, "gret_serve_result_cache_misses", "Texts the result cache did not hold"),
+    "hits": (CounterMetricFamily, "gret_serve_result_cache_hits", "Sentences answered from the result cache"),
+    "misses": (CounterMetricFamily, "gret_serve_result_cache_misses", "Sentences the result cache did not hold"),
     "entries": (GaugeMetricFamily, "gret_serve_result_cache_entries", "Results held by the result cache"),
 }
 

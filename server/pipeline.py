@@ -1,4 +1,4 @@
-"""A served model: texts -> engine sequences -> texts.
+"""A served model: texts -> documents of segments (server.documents) -> engine sequences -> texts.
 
 Pipeline checks and tokenises input exactly as training did (training.data.encode_source: pieces
 then EOS; POS tags aligned to pieces for POS models), hands sequences to the model's engine and
@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 from export.ct2_runtime import Ct2Translator
@@ -18,12 +19,16 @@ from export.manifest import read_manifest
 from export.quality import TARGETS
 from .engine.encoder_cache import EncoderCache
 from training.checkpoint import load_checkpoint
+from training.beam import Hypothesis
 from training.config import Checkpoint
 from training.data import EOS, normalize_input
 
 from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
+from .documents import Layout, segment, whole
+from .markup import HtmlLayout, segment_html
+from .unknowns import Alphabet, Protected, protect, restore
 from .engine.engine import Engine, Observer, Replicas
 from .engine.options import DecodingOptions, Limits, OptionError
 from .engine.result_cache import ResultCache
@@ -38,6 +43,32 @@ VERIFY_TOLERANCE = 0.5  # BLEU/ROUGE points: fp16 checkpoint -> fp32 graphs move
 
 class InputError(ValueError):
     """Bad texts (-> INVALID_ARGUMENT); the message says which text and which limit."""
+
+
+@dataclass
+class Document:
+    """One text of a call: where its segments sit (server.documents.Layout) and a Sequence each."""
+    layout: Layout | HtmlLayout
+    sequences: list[Sequence]
+    protected: list[Protected]  # per segment: the characters taken out for the model (server.unknowns)
+    truncated: bool  # a segment's source was cut to the model's limit
+
+
+@dataclass
+class Source:
+    """A segment as the model reads it."""
+    protected: Protected
+    pieces: list[int]
+
+
+@dataclass
+class Output:
+    """One hypothesis for a whole text."""
+    text: str
+    tokens: int
+    score: float
+    log_prob: float
+    at_limit: bool  # a segment stopped at its output length limit, not at an end of sentence
 
 
 def make_backend(entry: ModelEntry | WorkerSpec, backend: str, precision: str = "fp32", threads: int = 1,
@@ -62,40 +93,78 @@ class Pipeline:
         self.entry, self.engine, self.limits = entry, engine, limits
         self.backend, self.precision = backend, precision
         self.summarize = entry.task == "summarize"
+        self.alphabet = Alphabet(entry.sp)
         self._tagger = None
         self._torch_model = None  # loaded on the first diagnostics request
         self._torch_lock = threading.Lock()
 
     # ---- text -> sequences -------------------------------------------------------------------
-    def sequences(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
-                  deadline: float | None = None, truncate: bool | None = None) -> list[Sequence]:
-        """One Sequence per text, or InputError naming the first bad text. Sources longer than the
-        model's limit are refused for translation and truncated for summarisation (as in training)."""
-        limits, e = self.limits, self.entry
+    def documents(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
+                  deadline: float | None = None, split: bool | None = None,
+                  truncate: bool | None = None, markup: bool = False) -> list[Document]:
+        """One Document per text, or InputError naming the first bad text and the limit it breaks.
+        Translation splits each text into sentences (server.documents); summaries, and `split=False`,
+        read each text whole; `markup` texts are HTML (server.markup: always split). A segment over
+        the model's limit is truncated (and the document says so) where `truncate`, by default when
+        splitting or summarising (as in training); otherwise it is refused."""
+        limits = self.limits
         if not texts:
             raise InputError("no texts: send at least one")
         if len(texts) > limits.max_texts:
             raise InputError(f"{len(texts)} texts in one call; the limit is {limits.max_texts}")
-        truncate = self.summarize if truncate is None else truncate
-        max_pieces = e.max_src_len - 1  # room for EOS
-        seqs = []
+        split = not self.summarize if split is None else split
+        truncate = split or self.summarize if truncate is None else truncate
+        docs = []
         for i, text in enumerate(texts):
             if not text.strip():
                 raise InputError(f"text {i} is empty or only whitespace")
             if len(text) > limits.max_text_chars:
                 raise InputError(f"text {i} has {len(text)} characters; the limit is {limits.max_text_chars}")
-            text = normalize_input(e.input_style, text)  # plain text into the style the model was trained on
-            pieces = e.sp.encode(text)
-            if len(pieces) > max_pieces and not truncate:
-                raise InputError(f"text {i} is {len(pieces)} pieces long; model {e.name} accepts at most {max_pieces}")
-            src = pieces[:max_pieces] + [EOS]
-            tags = self._tags(text, src) if e.cfg.pos_tags else None
-            try:
-                limit = options.output_limit(len(src), e.cfg.max_positions - 1, limits)
-            except OptionError as error:
-                raise InputError(f"text {i}: {error}") from None
-            seqs.append(Sequence(src, options, limit, on_done, tags=tags, deadline=deadline))
-        return seqs
+            if markup:
+                layout = segment_html(text, self.entry.source_language, self._fits)
+            else:
+                layout = segment(text, self.entry.source_language, self._fits) if split else whole(text)
+            if not layout.segments:
+                raise InputError(f"text {i} has no text outside its markup")
+            sources = [self._source(part) for part in layout.segments]
+            seqs = [self._sequence(i, source, options, on_done, deadline, truncate) for source in sources]
+            docs.append(Document(layout, seqs, [s.protected for s in sources], any(self._cut(s) for s in sources)))
+        return docs
+
+    def sequences(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
+                  deadline: float | None = None, truncate: bool | None = None) -> list[Sequence]:
+        """One Sequence per text, each read whole (offline decoding of sentence-level data)."""
+        return [d.sequences[0] for d in self.documents(texts, options, on_done, deadline, False, truncate)]
+
+    def _source(self, text: str) -> Source:
+        """What the model reads of a segment: the text in the style it was trained on, then, for
+        translation, without the characters the model cannot write (server.unknowns puts them
+        back; a summary leaves out what it likes, so it has none to put back)."""
+        text = normalize_input(self.entry.input_style, text)
+        protected = Protected(text, []) if self.summarize else protect(text, self.alphabet)
+        return Source(protected, self.entry.sp.encode(protected.text))
+
+    def _fits(self, text: str) -> bool:
+        return not self._cut(self._source(text))
+
+    def _cut(self, source: Source) -> bool:
+        return len(source.pieces) > self.entry.max_src_len - 1  # room for EOS
+
+    def _sequence(self, i: int, source: Source, options: DecodingOptions, on_done: Callable[[Sequence], None],
+                  deadline: float | None, truncate: bool) -> Sequence:
+        """The Sequence for one segment of text i."""
+        e = self.entry
+        max_pieces = e.max_src_len - 1
+        if self._cut(source) and not truncate:
+            raise InputError(f"text {i} is {len(source.pieces)} pieces long; model {e.name} accepts at most "
+                             f"{max_pieces}")
+        src = source.pieces[:max_pieces] + [EOS]
+        tags = self._tags(source.protected.text, src) if e.cfg.pos_tags else None
+        try:
+            limit = options.output_limit(len(src), e.cfg.max_positions - 1, self.limits)
+        except OptionError as error:
+            raise InputError(f"text {i}: {error}") from None
+        return Sequence(src, options, limit, on_done, tags=tags, deadline=deadline)
 
     def _tags(self, text: str, src: list[int]) -> list[int]:
         from training.data import align_tags  # POS models only: the taggers load slowly
@@ -113,28 +182,48 @@ class Pipeline:
         if e.checkpoint is None:
             raise InputError(f"model {e.name} was loaded from an exported repository; diagnostics need its checkpoint")
 
-    def diagnostics(self, seq: Sequence) -> tuple[list[float], float]:
-        """server.diagnostics for the best hypothesis (blocking: call it off the event loop)."""
+    def diagnostics(self, doc: Document) -> tuple[list[float], float]:
+        """server.diagnostics for each segment's best hypothesis: the gates one segment after
+        another, the routing agreement averaged (blocking: call it off the event loop)."""
         with self._torch_lock:
             if self._torch_model is None:
                 self._torch_model = load_checkpoint(self.entry.checkpoint)[0]
-        tokens = seq.hypotheses[0].tokens if seq.hypotheses else []
-        return gret_diagnostics(self._torch_model, seq.src, tokens, seq.tags)
+        parts = [gret_diagnostics(self._torch_model, s.src, s.hypotheses[0].tokens if s.hypotheses else [], s.tags)
+                 for s in doc.sequences]
+        return [g for gates, _ in parts for g in gates], sum(agreement for _, agreement in parts) / len(parts)
 
     # ---- sequences -> text ------------------------------------------------------------------
-    def texts(self, seq: Sequence) -> list[str]:
-        return [self.entry.sp.decode(h.tokens) for h in seq.hypotheses]
+    def outputs(self, doc: Document) -> list[Output]:
+        """The document's n-best outputs, best first: output k puts each segment's k-th hypothesis
+        (or its last, where it has fewer) back in the text's layout. Score = total log P / total
+        length ** length_penalty, each sentence's end counted: for one sentence, its own score."""
+        per_segment = [[(restore(self.entry.sp.decode(h.tokens), protected), h, len(h.tokens) >= s.max_len)
+                        for h in s.hypotheses] or [(restore("", protected), Hypothesis([], 0.0, 0.0), False)]
+                       for s, protected in zip(doc.sequences, doc.protected)]
+        penalty = doc.sequences[0].options.length_penalty
+        outputs = []
+        for k in range(max(map(len, per_segment))):
+            picked = [hyps[min(k, len(hyps) - 1)] for hyps in per_segment]
+            log_prob = sum(h.log_prob for _, h, _ in picked)
+            length = sum(len(h.tokens) + (not at_limit) for _, h, at_limit in picked)
+            outputs.append(Output(doc.layout.join([text for text, _, _ in picked]),
+                                  sum(len(h.tokens) for _, h, _ in picked),
+                                  log_prob / max(1, length) ** penalty, log_prob,
+                                  any(at_limit for _, _, at_limit in picked)))
+        return sorted(outputs, key=lambda o: -o.score)
 
-    def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(),
-               truncate: bool | None = None) -> list[str]:
-        """Offline: best hypothesis per text, driving the (not started) engine on this thread."""
-        seqs = self.sequences(texts, options, on_done=lambda s: None, truncate=truncate)
+    def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(), truncate: bool | None = None,
+               split: bool = False, markup: bool = False) -> list[str]:
+        """Offline: best hypothesis per text (read whole unless `split`), driving the (not started)
+        engine on this thread."""
+        docs = self.documents(texts, options, lambda s: None, None, split, truncate, markup)
+        seqs = [s for d in docs for s in d.sequences]
         self.engine.submit(seqs)
         self.engine.run_until_idle()
         failed = [s for s in seqs if s.status != OK]
         if failed:
             raise RuntimeError(f"{len(failed)} texts failed: {failed[0].message}")
-        return [self.texts(s)[0] if s.hypotheses else "" for s in seqs]
+        return [self.outputs(d)[0].text for d in docs]
 
 
 def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "fp32", threads: int = 1,

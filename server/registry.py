@@ -7,11 +7,15 @@ from functools import partial
 from pathlib import Path
 
 from .config import ServerConfig
+from .languages import AUTO, detect, normalize
 from .metrics import Metrics
 from .models import ModelError, discover, load_entry
 from .pipeline import Pipeline, build_pipeline, verify_build
 
 log = logging.getLogger("server.registry")
+
+
+DETECT_CHARS = 2000  # enough to tell a language; more only costs time
 
 
 class ModelNotFound(LookupError):
@@ -60,6 +64,8 @@ class Registry:
 
     # ---- lookup ---------------------------------------------------------------------------------
     def find(self, task: str, name: str = "", source: str = "", target: str = "") -> Pipeline:
+        """By name, else by language pair (codes in any form server.languages reads), else the task's default."""
+        source, target = normalize(source), normalize(target)
         if name:
             pipeline = self.pipelines.get(name)
             if pipeline is None:
@@ -76,6 +82,14 @@ class Registry:
             wanted = f" {source or '*'}->{target or '*'}" if source or target else ""
             raise ModelNotFound(f"no {task} model{wanted}; available: {', '.join(available) or 'none'}")
         return min(candidates, key=lambda p: p.entry.name)  # deterministic: the first by name
+
+    def detect_source(self, texts: list[str], target: str = "") -> str:
+        """The language of `texts` among the sources of the translation models into `target`
+        (server.languages.detect), or "auto" when none can be told: no model is then found."""
+        target = normalize(target)
+        sources = {p.entry.source_language for p in self
+                   if p.entry.task == "translate" and (not target or p.entry.target_language == target)}
+        return detect("\n".join(texts)[:DETECT_CHARS], sources) or AUTO
 
     def is_default(self, pipeline: Pipeline) -> bool:
         e = pipeline.entry

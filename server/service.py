@@ -1,7 +1,9 @@
 """The gRPC service (proto/gret_serve.proto) on grpc.aio.
 
-A call becomes one Sequence per text in its model's engine; the handler awaits them. Each
-sequence's on_done runs on the engine thread and only hands the result to the event loop. A
+A call becomes one Document per text (server.pipeline: a translation's sentences, a summary's
+whole text), each decoded as one Sequence per segment, all of them in the model's engine at once;
+the handler awaits the documents. Each sequence's on_done runs on the engine thread and only hands
+the result to the event loop, where a document is done once all its sequences are. A
 client that cancels, or a deadline that passes, marks the sequences so the engine drops their
 rows at its next step. Status codes: INVALID_ARGUMENT (texts, options), NOT_FOUND (model),
 RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED, CANCELLED; INTERNAL
@@ -25,8 +27,9 @@ from .engine.engine import Draining
 from .engine.options import DecodingOptions, OptionError
 from .engine.scheduler import QueueFull
 from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
+from .languages import AUTO, normalize
 from .metrics import Metrics
-from .pipeline import InputError, Pipeline
+from .pipeline import Document, InputError, Pipeline
 from .registry import ModelNotFound, Registry
 
 log = logging.getLogger("server.service")
@@ -51,13 +54,25 @@ def decoding_options(msg: pb.DecodingOptions) -> DecodingOptions:
     return DecodingOptions(**values, return_scores=msg.return_scores, diagnostics=msg.return_diagnostics)
 
 
+def model_limits(pipeline: Pipeline) -> pb.Limits:
+    limits = pipeline.limits
+    return pb.Limits(max_beam_size=limits.max_beam, max_n_best=limits.max_n_best,
+                     max_output_tokens=min(limits.max_output_tokens, pipeline.entry.cfg.max_positions - 1),
+                     max_texts=limits.max_texts, max_text_chars=limits.max_text_chars,
+                     max_no_repeat_ngram_size=limits.max_no_repeat_ngram)
+
+
 @dataclass
 class Call:
     """One call in the handler: its metrics labels and start, and its texts once submitted."""
     model: str  # the metrics label
     start: float = field(default_factory=time.monotonic)
     pipeline: Pipeline | None = None
-    seqs: list[Sequence] = field(default_factory=list)
+    docs: list[Document] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s for d in self.docs for s in d.sequences]
 
     def release(self) -> None:
         """Its unfinished texts leave the engine at the next step (finished ones ignore the mark)."""
@@ -97,7 +112,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 models.append(pb.ModelInfo(name=e.name, version=e.version, task=e.task,
                                            source_language=e.source_language, target_language=e.target_language,
                                            architecture=e.architecture, backend=p.backend, precision=p.precision,
-                                           parameters=e.parameters, is_default=self.registry.is_default(p)))
+                                           parameters=e.parameters, is_default=self.registry.is_default(p),
+                                           max_input_pieces=e.max_src_len - 1, limits=model_limits(p)))
             return pb.ListModelsResponse(models=models)
 
     # ---- one call -----------------------------------------------------------------------------
@@ -135,28 +151,30 @@ class InferenceService(pb_grpc.InferenceServicer):
             done = await self._submit(call, task, request, context, source, target)
             await asyncio.gather(*done)
             self._raise_failures(call.seqs)
-            results = [await self._result(call.pipeline, i, s) for i, s in enumerate(call.seqs)]
-            return pb.GenerateResponse(model=call.pipeline.entry.name, model_version=call.pipeline.entry.version,
-                                       results=results)
+            results = [await self._result(call.pipeline, i, d) for i, d in enumerate(call.docs)]
+            return self._response(call.pipeline, results)
 
     async def _stream(self, method, task, request, context, source="", target=""):
         async with self._accounted(method, context, Call(self._label(request.model))) as call:
             done = await self._submit(call, task, request, context, source, target)
-            entry, seqs = call.pipeline.entry, call.seqs
+            docs = call.docs
             index = {id(f): i for i, f in enumerate(done)}
             pending = set(done)
             while pending:
                 finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for f in sorted(finished, key=lambda f: index[id(f)]):
                     i = index[id(f)]
-                    self._raise_failures([seqs[i]])
-                    await context.write(pb.GenerateResponse(model=entry.name, model_version=entry.version,
-                                                            results=[await self._result(call.pipeline, i, seqs[i])]))
+                    self._raise_failures(docs[i].sequences)
+                    await context.write(self._response(call.pipeline, [await self._result(call.pipeline, i, docs[i])]))
 
     async def _submit(self, call: Call, task, request, context, source, target) -> list[asyncio.Future]:
-        """Checks the request and queues its texts (recorded in `call`); one future per text."""
+        """Checks the request and queues its texts (recorded in `call`); one future per text, done
+        when all the text's sequences are."""
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        if task == "translate" and not request.model and normalize(source) == AUTO:
+            source = await asyncio.get_running_loop().run_in_executor(
+                None, self.registry.detect_source, list(request.texts), target)
         try:
             pipeline = self.registry.find(task, request.model, source, target)
         except ModelNotFound as e:
@@ -171,31 +189,47 @@ class InferenceService(pb_grpc.InferenceServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
         loop = asyncio.get_running_loop()
         texts = list(request.texts)
+        split = task == "translate" and not request.as_one_sequence
+        markup = task == "translate" and request.format == pb.HTML
         futures = [loop.create_future() for _ in texts]
-        by_seq = {}
+        owner: dict[int, int] = {}  # sequence id -> its text's index
 
         def on_done(seq: Sequence) -> None:  # engine thread
-            loop.call_soon_threadsafe(_resolve, by_seq[seq.id])
+            loop.call_soon_threadsafe(settle, owner[seq.id])
+
+        def settle(i: int) -> None:  # event loop
+            doc = call.docs[i]
+            if all(s.status is not None for s in doc.sequences) and not futures[i].done():
+                status = next((s.status for s in doc.sequences if s.status != OK), OK)
+                self.metrics.text_finished(pipeline.entry.name, status)
+                futures[i].set_result(None)
 
         try:
             if pipeline.entry.cfg.pos_tags:  # tagging is slow: keep it off the event loop
-                seqs = await loop.run_in_executor(None, pipeline.sequences, texts, options, on_done, deadline)
+                docs = await loop.run_in_executor(None, pipeline.documents, texts, options, on_done, deadline, split,
+                                                  None, markup)
             else:
-                seqs = pipeline.sequences(texts, options, on_done, deadline)
+                docs = pipeline.documents(texts, options, on_done, deadline, split, markup=markup)
         except InputError as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        by_seq.update({s.id: f for s, f in zip(seqs, futures)})
-        call.model, call.pipeline, call.seqs = pipeline.entry.name, pipeline, seqs
-        self.metrics.submitted(call.model, seqs)
+        owner.update({s.id: i for i, d in enumerate(docs) for s in d.sequences})
+        call.model, call.pipeline, call.docs = pipeline.entry.name, pipeline, docs
+        self.metrics.submitted(call.model, call.seqs)
         if self.log_text:
             log.debug("model %s: %d texts: %r", pipeline.entry.name, len(texts), texts)
         try:
-            pipeline.engine.submit(seqs)
+            pipeline.engine.submit(call.seqs)
         except QueueFull as e:
             raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except Draining as e:
             raise CallError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         return futures
+
+    @staticmethod
+    def _response(pipeline: Pipeline, results: list[pb.TextResult]) -> pb.GenerateResponse:
+        e = pipeline.entry
+        return pb.GenerateResponse(model=e.name, model_version=e.version, results=results,
+                                   source_language=e.source_language)
 
     @staticmethod
     def _raise_failures(seqs: list[Sequence]) -> None:
@@ -204,16 +238,19 @@ class InferenceService(pb_grpc.InferenceServicer):
                 raise CallError(FAILURE_CODES.get(s.status, grpc.StatusCode.INTERNAL), s.message)
 
     @staticmethod
-    async def _result(pipeline: Pipeline, index: int, seq: Sequence) -> pb.TextResult:
-        scores = seq.options.return_scores
-        hyps = [pb.Hypothesis(text=text, tokens=len(h.tokens), score=h.score if scores else 0.0,
-                              log_prob=h.log_prob if scores else 0.0)
-                for text, h in zip(pipeline.texts(seq), seq.hypotheses)]
-        result = pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src),
-                               encoder_cache_hit=seq.cache_hit,
-                               result_cache_hit=seq.result_cache_hit)
-        if seq.options.diagnostics:  # a PyTorch pass: off the event loop
-            gate, agreement = await asyncio.get_running_loop().run_in_executor(None, pipeline.diagnostics, seq)
+    async def _result(pipeline: Pipeline, index: int, doc: Document) -> pb.TextResult:
+        options, seqs = doc.sequences[0].options, doc.sequences
+        scores = options.return_scores
+        hyps = [pb.Hypothesis(text=o.text, tokens=o.tokens, score=o.score if scores else 0.0,
+                              log_prob=o.log_prob if scores else 0.0,
+                              finish_reason=pb.LENGTH if o.at_limit else pb.END_OF_SENTENCE)
+                for o in pipeline.outputs(doc)]
+        result = pb.TextResult(index=index, hypotheses=hyps, source_tokens=sum(len(s.src) for s in seqs),
+                               encoder_cache_hit=all(s.cache_hit for s in seqs),
+                               result_cache_hit=all(s.result_cache_hit for s in seqs),
+                               truncated=doc.truncated, sentences=len(seqs))
+        if options.diagnostics:  # a PyTorch pass: off the event loop
+            gate, agreement = await asyncio.get_running_loop().run_in_executor(None, pipeline.diagnostics, doc)
             result.diagnostics.CopyFrom(pb.Diagnostics(gate=gate, routing_agreement=agreement))
         return result
 
@@ -221,8 +258,3 @@ class InferenceService(pb_grpc.InferenceServicer):
         """The model label of a call's metrics: a loaded model's name, else "" (a label per string a
         client sends would grow the metrics without bound and publish request data)."""
         return name if name in self.registry.pipelines else ""
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

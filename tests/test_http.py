@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
+from proto import gret_serve_pb2 as pb
 from server.client import Client
 from server.web.calls import CallFailed
 from tests.served import RunningServer, config_for, free_port
@@ -99,9 +100,9 @@ def test_a_form_request_as_libretranslates_own_clients_send_it(http):
                                                                             "source": "de"})[1]["translatedText"]
 
 
-def test_source_auto_takes_the_only_language_that_translates_into_the_target_and_says_so(http):
+def test_source_auto_detects_the_language_and_says_which(http):
     status, body, _ = http("/translate", {"q": GERMAN[0], "source": "auto", "target": "en"})
-    assert status == 200 and body["detectedLanguage"] == {"language": "de", "confidence": 0.0}
+    assert status == 200 and body["detectedLanguage"] == {"language": "de", "confidence": None}
 
 
 def test_languages_lists_each_source_with_its_targets(http):
@@ -111,11 +112,17 @@ def test_languages_lists_each_source_with_its_targets(http):
                     {"code": "en", "name": "English", "targets": ["de"]}]
 
 
-def test_detect_and_html_say_they_are_not_implemented(http):
-    status, body, _ = http("/detect", {"q": "Ein Hund."})
-    assert status == 501 and "no language detector" in body["error"]
+def test_detect_chooses_among_the_served_source_languages(http):
+    status, body, _ = http("/detect", {"q": ["Ein Hund läuft über die Wiese.", "A dog runs across the meadow."]})
+    assert status == 200 and [d["language"] for d in body] == ["de", "en"]
+
+
+def test_html_keeps_the_markup_and_translates_the_text_as_grpc_does(http, grpc_client):
     status, body, _ = http("/translate", {"q": "<p>Ein Hund.</p>", "source": "de", "target": "en", "format": "html"})
-    assert status == 501 and body["code"] == "UNIMPLEMENTED"
+    expected = grpc_client.stub.Translate(pb.TranslateRequest(texts=["<p>Ein Hund.</p>"], target_language="en",
+                                                              format=pb.HTML), timeout=60)
+    assert status == 200 and body["translatedText"] == expected.results[0].hypotheses[0].text
+    assert body["translatedText"].startswith("<p>") and body["translatedText"].endswith("</p>")
 
 
 # ---- native routes ------------------------------------------------------------------------------------

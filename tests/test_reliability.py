@@ -32,7 +32,10 @@ from proto import gret_serve_pb2_grpc as pb_grpc
 from server.__main__ import main as server_main
 from server.client import Client
 from server.engine.options import DecodingOptions
+from server.documents import segment
 from server.engine.sequence import CANCELLED, DEADLINE
+from server.languages import normalize
+from server.unknowns import Alphabet, protect
 from tests.served import RunningServer, ServerProcess, config_for, free_port
 from training.data import load_examples, normalize_input
 
@@ -85,14 +88,18 @@ def expected(server: RunningServer, method: str, request) -> Expected:
             return Expected(CODE.NOT_FOUND)
         name = request.model
     else:
-        source, target = (request.source_language, request.target_language) if task == "translate" else ("", "")
+        source, target = (normalize(request.source_language), normalize(request.target_language)) \
+            if task == "translate" else ("", "")
+        if source == "auto":  # detected among the sources of the models into the target
+            source = server.registry.detect_source(list(request.texts), target)
         fits = sorted(n for n, e in models.items() if e.task == task and source in ("", e.source_language)
                       and target in ("", e.target_language))
         if not fits:
             return Expected(CODE.NOT_FOUND)
         name = fits[0]
     problem = (option_problem(request.options) or diagnostics_problem(models[name], request.options)
-               or text_problem(models[name], task, list(request.texts), options_of(request.options)))
+               or text_problem(models[name], task, reads_whole(request), list(request.texts),
+                               options_of(request.options)))
     return Expected(CODE.INVALID_ARGUMENT, about=problem) if problem else Expected(CODE.OK, model=name)
 
 
@@ -120,10 +127,35 @@ def diagnostics_problem(entry, options: pb.DecodingOptions) -> str:
     return "diagnostics" if options.return_diagnostics and not (entry.cfg.gret and entry.checkpoint) else ""
 
 
+alphabets: dict[str, Alphabet] = {}
+
+
+def pieces(entry, text: str) -> int:
+    """What the model reads of a segment: the text in its input style, and for translation its
+    characters the model cannot write behind placeholders (server.unknowns)."""
+    text = normalize_input(entry.input_style, text)
+    if entry.task == "translate":
+        text = protect(text, alphabets.setdefault(entry.name, Alphabet(entry.sp))).text
+    return len(entry.sp.encode(text))
+
+
+def reads_whole(request) -> bool:
+    """Summaries, and translations sent as_one_sequence, are decoded unsplit."""
+    return not isinstance(request, pb.TranslateRequest) or request.as_one_sequence
+
+
+def segments(entry, whole: bool, text: str) -> list[str]:
+    """What the model decodes of a text: a translation's sentences (server.documents, segments
+    split to fit where they can be), or the whole text."""
+    if whole:
+        return [text]
+    return segment(text, entry.source_language, lambda s: pieces(entry, s) <= entry.max_src_len - 1).segments
+
+
 def source_tokens(entry, text: str) -> int:
-    """What the model reads of the text: its pieces in the model's input style (summaries are
-    truncated to fit), plus EOS."""
-    return min(len(entry.sp.encode(normalize_input(entry.input_style, text))), entry.max_src_len - 1) + 1
+    """What the model reads of a segment: its pieces in the model's input style (truncated to
+    fit), plus EOS."""
+    return min(pieces(entry, text), entry.max_src_len - 1) + 1
 
 
 def output_limit(entry, o: dict, source: int) -> int:
@@ -133,7 +165,7 @@ def output_limit(entry, o: dict, source: int) -> int:
     return max(1, limit)
 
 
-def text_problem(entry, task: str, texts: list[str], o: dict) -> str:
+def text_problem(entry, task: str, whole: bool, texts: list[str], o: dict) -> str:
     if not texts:
         return "no texts"
     if len(texts) > FUZZ_LIMITS["max_texts"]:
@@ -143,27 +175,31 @@ def text_problem(entry, task: str, texts: list[str], o: dict) -> str:
             return f"text {i} is empty or only whitespace"
         if len(text) > FUZZ_LIMITS["max_text_chars"]:
             return f"text {i} has {len(text)} characters"
-        if task == "translate" and len(entry.sp.encode(text)) > entry.max_src_len - 1:
+        if task == "translate" and whole and pieces(entry, text) > entry.max_src_len - 1:
             return f"text {i} is"  # ... N pieces long (summaries truncate instead)
-        if o["min_length"] > output_limit(entry, o, source_tokens(entry, text)):
+        if any(o["min_length"] > output_limit(entry, o, source_tokens(entry, s)) for s in segments(entry, whole, text)):
             return f"text {i}: option min_length="
     return ""
 
 
 def check_results(server: RunningServer, request, model: str, results) -> None:
     """Every text has its result: the source as the model's tokenizer reads the text we sent, in
-    the model's input style (so nothing was lost or mangled on the way), n_best hypotheses within
-    the length limits, ordered."""
+    the model's input style (so nothing was lost or mangled on the way), cut only where it says so,
+    n_best hypotheses within the length limits of its segments, ordered, each with its finish reason."""
     entry = server.registry.pipelines[model].entry
     o = options_of(request.options)
     assert [r.index for r in results] == list(range(len(request.texts)))
     for text, result in zip(request.texts, results):
-        source = source_tokens(entry, text)
-        assert result.source_tokens == source
-        limit = output_limit(entry, o, source)
+        parts = segments(entry, reads_whole(request), text)
+        assert (result.sentences, result.source_tokens) == (len(parts), sum(source_tokens(entry, s) for s in parts))
+        assert result.truncated == any(pieces(entry, s) > entry.max_src_len - 1 for s in parts)
+        limits = [output_limit(entry, o, source_tokens(entry, s)) for s in parts]
         hyps = result.hypotheses
         assert len(hyps) == o["n_best"]
-        assert all(o["min_length"] <= h.tokens <= limit for h in hyps)
+        assert all(o["min_length"] * len(parts) <= h.tokens <= sum(limits) for h in hyps)
+        assert all(h.finish_reason in (pb.END_OF_SENTENCE, pb.LENGTH) for h in hyps)
+        if len(parts) == 1:
+            assert all((h.finish_reason == pb.LENGTH) == (h.tokens >= limits[0]) for h in hyps)
         scores = [h.score for h in hyps]
         assert scores == (sorted(scores, reverse=True) if request.options.return_scores else [0.0] * len(hyps))
 
@@ -276,7 +312,7 @@ options = st.one_of(
               return_diagnostics=st.booleans()),
 )
 model = st.one_of(st.just(""), st.sampled_from(["tiny-de-en", "tiny-en-de", "tiny-headlines"]), st.text(max_size=12))
-language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE"]), st.text(max_size=4))
+language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE", "de-DE", "eng", "ger", "auto"]), st.text(max_size=4))
 
 
 @st.composite
@@ -284,7 +320,8 @@ def any_call(draw):
     method = draw(st.sampled_from(METHODS))
     common = dict(texts=draw(texts), model=draw(model), options=draw(options))
     if method.startswith("Translate"):
-        return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language), **common)
+        return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language),
+                                           as_one_sequence=draw(st.booleans()), **common)
     return method, pb.SummarizeRequest(**common)
 
 

@@ -150,8 +150,9 @@ def test_bad_input_is_refused_with_a_message_naming_the_problem(client, texts, o
     assert got == code and message in details
 
 
-def test_a_translation_source_over_the_model_limit_is_refused_not_truncated(client):
-    got, details = status_of(lambda: client.translate([" ".join(["Hund"] * 400)], target="en"))
+def test_a_source_sent_as_one_sequence_over_the_model_limit_is_refused_not_truncated(client):
+    """(In document mode, the default, it is split or truncated with the flag set: tests/test_documents.py.)"""
+    got, details = status_of(lambda: client.translate([" ".join(["Hund"] * 400)], target="en", as_one_sequence=True))
     assert got == CODE.INVALID_ARGUMENT and "accepts at most" in details
 
 

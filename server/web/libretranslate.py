@@ -1,8 +1,9 @@
 """LibreTranslate's API (https://libretranslate.com/docs), so that its clients work unchanged.
 
-There is no language detector: `source: "auto"` picks the one source language whose models
-translate into the target (and reports it with confidence 0: it was not detected), and /detect
-answers 501."""
+`source: "auto"` and /detect choose among the languages the loaded models translate from
+(server.languages.detect); its classifier gives no calibrated probability, so `confidence` is
+null. `format: "html"` translates the text between the tags and keeps the markup
+(server/markup.py)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from proto import gret_serve_pb2 as pb
 
 from ..engine.options import DecodingOptions
+from ..languages import AUTO, detect, normalize
 from ..registry import Registry
 from ..service import InferenceService
 from .calls import CallFailed, unary
@@ -36,7 +38,7 @@ class TranslateBody(BaseModel):
 
 
 class DetectBody(BaseModel):
-    q: str
+    q: str | list[str] = Field(description="a text, or a list of texts")
 
 
 async def read(request: Request, kind: type[BaseModel]):
@@ -67,31 +69,22 @@ def libretranslate_routes(service: InferenceService, registry: Registry) -> APIR
     @router.post("/translate", summary="Translate a text or a list of texts", openapi_extra=documented(TranslateBody))
     async def translate(request: Request):
         body = await read(request, TranslateBody)
-        if body.format != "text":
-            raise CallFailed(grpc.StatusCode.UNIMPLEMENTED, "format html is not supported yet: send plain text")
-        source = body.source
-        if source == "auto":
-            candidates = sources_into(body.target)
-            if len(candidates) > 1:
-                raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"source auto needs a language detector, which this server does not have; "
-                                 f"name one of {', '.join(sorted(candidates))}")
-            source = next(iter(candidates), "")  # none: the service answers NOT_FOUND, naming what there is
         options = None
         if body.alternatives:
             n_best = body.alternatives + 1
             options = pb.DecodingOptions(n_best=n_best, beam_size=max(n_best, DecodingOptions().beam))
         texts = [body.q] if isinstance(body.q, str) else body.q
         response = await unary(service.Translate, pb.TranslateRequest(
-            texts=texts, source_language=source, target_language=body.target, options=options), request)
+            texts=texts, source_language=body.source, target_language=body.target, options=options,
+            format=pb.HTML if body.format == "html" else pb.TEXT), request)
         best = [r.hypotheses[0].text if r.hypotheses else "" for r in response.results]
         others = [[h.text for h in r.hypotheses[1:]] for r in response.results]
         one = isinstance(body.q, str)
         answer = {"translatedText": best[0] if one else best}
         if body.alternatives:
             answer["alternatives"] = others[0] if one else others
-        if body.source == "auto":
-            detected = {"language": source, "confidence": 0.0}
+        if normalize(body.source) == AUTO:  # the detector gives no probability: confidence stays null
+            detected = {"language": response.source_language, "confidence": None}
             answer["detectedLanguage"] = detected if one else [detected] * len(texts)
         return JSONResponse(answer)
 
@@ -104,10 +97,16 @@ def libretranslate_routes(service: InferenceService, registry: Registry) -> APIR
         return [{"code": code, "name": NAMES.get(code, code), "targets": sorted(targets)}
                 for code, targets in sorted(pairs.items())]
 
-    @router.post("/detect", summary="Not available: this server has no language detector",
+    @router.post("/detect", summary="The most likely of the languages this server translates from",
                  openapi_extra=documented(DetectBody))
-    async def detect():
-        raise CallFailed(grpc.StatusCode.UNIMPLEMENTED,
-                         "this server has no language detector; GET /languages lists the languages it translates")
+    async def detect_language(request: Request):
+        body = await read(request, DetectBody)
+        sources = {p.entry.source_language for p in registry if p.entry.task == "translate"}
+        texts = [body.q] if isinstance(body.q, str) else body.q
+        found = [detect(text, sources) for text in texts]
+        if not all(found):
+            raise CallFailed(grpc.StatusCode.NOT_FOUND, f"none of this server's source languages "
+                                                        f"({', '.join(sorted(sources)) or 'none'}) fits the text")
+        return JSONResponse([{"language": code, "confidence": None} for code in found])
 
     return router

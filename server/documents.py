@@ -1,0 +1,91 @@
+"""Documents: a text of any number of sentences and paragraphs, split into the segments a model
+decodes one by one and put back together around the original whitespace.
+
+A text is exactly gaps[0] + segments[0] + gaps[1] + ... + segments[-1] + gaps[-1]: the gaps hold
+every space, newline and blank line, so reassembly puts the translations where the sentences
+were. The rules, in order:
+  1. every line break ends a segment (SentencePiece reads a newline as a space, and a list or a
+     poem must keep its lines);
+  2. each line is split into sentences by sentencex (chosen by measurement: docs/DOCUMENTS.md);
+  3. a sentence longer than the model accepts is split after clause punctuation (, ; : and
+     dashes followed by a space), clauses packed greedily into segments that fit;
+  4. a clause that still does not fit stays whole: the caller truncates it and says so.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import sentencex
+
+LINES = re.compile(r"[^\r\n\u2028\u2029\x85\x0b\x0c]+")  # what str.splitlines() splits on, kept as gaps
+CLAUSE_ENDS = re.compile(r"[,;:\u2013\u2014](?=\s)")  # a clause may end after these, before a space
+
+
+@dataclass
+class Layout:
+    segments: list[str]
+    gaps: list[str]  # len(segments) + 1: the whitespace before, between and after the segments
+
+    def join(self, outputs: list[str]) -> str:
+        """The text with each segment replaced by its output, whitespace as it was."""
+        parts = [self.gaps[0]]
+        for output, gap in zip(outputs, self.gaps[1:]):
+            parts += [output, gap]
+        return "".join(parts)
+
+
+def whole(text: str) -> Layout:
+    """The text as one segment (summaries, and translation with as_one_sequence)."""
+    return Layout([text], ["", ""])
+
+
+def segment(text: str, language: str, fits: Callable[[str], bool], by_line: bool = True) -> Layout:
+    """The segments of `text` (rules 1-4 above; rule 1 only `by_line`: in HTML a line break is a
+    space); fits(segment) says whether the model takes it."""
+    spans = [clause for sentence in sentence_spans(text, language, by_line) for clause in fit(text, sentence, fits)]
+    segments, gaps, end = [], [], 0
+    for start, stop in spans:
+        gaps.append(text[end:start])
+        segments.append(text[start:stop])
+        end = stop
+    gaps.append(text[end:])
+    return Layout(segments, gaps)
+
+
+def sentence_spans(text: str, language: str, by_line: bool = True) -> list[tuple[int, int]]:
+    """(start, end) of each sentence, whitespace excluded (line by line, if `by_line`)."""
+    spans = []
+    for line in LINES.finditer(text) if by_line else [re.match(r"(?s).*", text)]:
+        for b in sentencex.get_sentence_boundaries(language, line.group()):
+            span = strip(text, line.start() + b["start_index"], line.start() + b["end_index"])
+            if span:
+                spans.append(span)
+    return spans
+
+
+def fit(text: str, span: tuple[int, int], fits: Callable[[str], bool]) -> list[tuple[int, int]]:
+    """The span as one segment if the model takes it, else as clauses packed greedily into
+    segments that fit (a clause too long on its own is a segment all the same)."""
+    start, end = span
+    if fits(text[start:end]):
+        return [span]
+    cuts = [start + m.end() for m in CLAUSE_ENDS.finditer(text, start, end)] + [end]
+    segments, begin, last = [], start, None  # `last`: the furthest cut that still fits from `begin`
+    for cut in cuts:
+        if last is not None and not fits(text[begin:cut]):
+            segments.append(strip(text, begin, last))
+            begin, last = last, None
+        last = cut
+    segments.append(strip(text, begin, end))
+    return [s for s in segments if s]
+
+
+def strip(text: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span without its leading and trailing whitespace; None if nothing else is left."""
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return (start, end) if start < end else None
