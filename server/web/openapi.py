@@ -16,10 +16,18 @@ SCALARS = {
 }
 
 
+def field_schema(f: FieldDescriptor) -> dict:
+    if f.message_type:
+        return schema(f.message_type)
+    if f.enum_type:  # proto3 JSON writes an enum by its value's name
+        return {"type": "string", "enum": [v.name for v in f.enum_type.values]}
+    return SCALARS[f.type]
+
+
 def schema(message: Descriptor) -> dict:
     properties = {}
     for f in message.fields:
-        kind = schema(f.message_type) if f.message_type else SCALARS[f.type]
+        kind = field_schema(f)
         properties[f.name] = {"type": "array", "items": kind} if f.is_repeated else kind
     return {"title": message.name, "type": "object", "properties": properties}
 
