@@ -48,7 +48,7 @@ class Metrics:
                                       ["model"], buckets=PIECES, registry=r)
         self._caches: dict[str, object] = {}
         self._results: dict[str, object] = {}
-        self._engines: dict[str, list] = {}
+        self._engines: dict[str, object] = {}
         r.register(_CacheCollector(self._caches, self._results))
         r.register(_RunningCollector(self._engines))
         ProcessCollector(registry=r)  # resident memory, CPU seconds, open files of this process
@@ -73,7 +73,7 @@ class Metrics:
         self.model_info.labels(e.name, e.version, e.task, pipeline.backend, pipeline.precision, e.architecture).set(1)
         self._caches[e.name] = pipeline.engine.cache
         self._results[e.name] = pipeline.engine.results
-        self._engines[e.name] = getattr(pipeline.engine, "engines", [pipeline.engine])  # Replicas or one Engine
+        self._engines[e.name] = pipeline.engine  # one Engine, thread Replicas or worker processes
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         """Starts the HTTP exporter on a daemon thread; returns the HTTP server (for shutdown)."""
@@ -135,7 +135,7 @@ class _CacheCollector:
 
 
 class _RunningCollector:
-    """Texts in the models' running batches, counted at scrape time from the batches themselves (a
+    """Texts in the models' running batches, counted at scrape time from the engines themselves (a
     gauge kept by the engine's events would drift with every path that admits or ends a text).
     CTranslate2 decodes a whole batch inside one call and keeps no running batch: 0."""
 
@@ -145,8 +145,8 @@ class _RunningCollector:
     def collect(self):
         family = GaugeMetricFamily("gret_serve_running_sequences", "Texts in the running batch, being decoded",
                                    labels=["model"])
-        for model, engines in self.engines.items():
-            family.add_metric([model], sum(len(e.batch) for e in engines))
+        for model, engine in self.engines.items():
+            family.add_metric([model], engine.running())
         yield family
 
 

@@ -69,6 +69,10 @@ class Engine:
         """Texts waiting for this model (all replicas'): what the queue-depth metric reports."""
         return self.replicas.queued() if self.replicas else len(self.scheduler)
 
+    def running(self) -> int:
+        """Texts in the running batch (what the running-sequences gauge reports)."""
+        return len(self.batch)
+
     def load(self) -> int:
         """Budget waiting and running here: where a replica group sends the next text."""
         return sum(s.rows_budget for s in list(self.scheduler.waiting)) + self.batch.budget_used()
@@ -272,6 +276,9 @@ class Replicas:
 
     def queued(self) -> int:
         return sum(len(e.scheduler) for e in self.engines)
+
+    def running(self) -> int:
+        return sum(e.running() for e in self.engines)
 
     def start(self) -> "Replicas":
         for e in self.engines:

@@ -109,6 +109,11 @@ class WorkerReplicas:
     def queued(self) -> int:
         return sum(w.waiting for w in self.workers)
 
+    def running(self) -> int:
+        """Texts the workers hold and have admitted into their batches."""
+        with self.lock:
+            return sum(max(0, len(w.pending) - w.waiting) for w in self.workers)
+
     def start(self, timeout: float = 300) -> "WorkerReplicas":
         """Starts every worker and waits until each has loaded the model."""
         for w in self.workers:
