@@ -19,39 +19,17 @@ import argparse
 import json
 import random
 from collections import Counter
-from html.parser import HTMLParser
 from pathlib import Path
 
 from bench.segmenters import documents
 from bench.unknowns import FOREIGN, with_word
 from server.engine.options import Limits
 from server.models import load_entry
+from server.markup import markup_of
 from server.pipeline import build_pipeline
 from bench import add_publish, results_dir
 from training.data import load_examples
 from training.metrics import bleu
-
-
-class Markup(HTMLParser):
-    """A document's markup, in order."""
-
-    def __init__(self, text: str):
-        super().__init__(convert_charrefs=False)
-        self.seen = []
-        self.feed(text)
-        self.close()
-
-    def handle_starttag(self, tag, attrs):
-        self.seen.append(("start", tag, tuple(attrs)))
-
-    def handle_endtag(self, tag):
-        self.seen.append(("end", tag))
-
-    def handle_entityref(self, name):
-        self.seen.append(("entity", name))
-
-    def handle_comment(self, data):
-        self.seen.append(("comment", data))
 
 
 def as_html(paragraphs: list[list[str]], rng: random.Random) -> str:
@@ -113,7 +91,7 @@ def main(argv=None) -> int:
     pages = [as_html([[plain[i] for i in g[k: k + 3]] for k in range(0, len(g), 3)], rng) for g in groups]
     html_out = pipeline.decode(pages, split=True, markup=True)
     result["html_markup_identical_percent"] = round(
-        100 * sum(Markup(o).seen == Markup(page).seen for o, page in zip(html_out, pages)) / len(pages), 1)
+        100 * sum(markup_of(o) == markup_of(page) for o, page in zip(html_out, pages)) / len(pages), 1)
     result["html_example"] = {"source": pages[0], "output": html_out[0]}
     out = results_dir(args.publish)
     out.mkdir(parents=True, exist_ok=True)

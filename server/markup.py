@@ -201,3 +201,37 @@ def _placed(output: str, sentence: str, offset: int, markup: list[tuple[int, Pie
         out += [output[cursor:position], raw]
         cursor = position
     return "".join(out) + output[cursor:]
+
+
+class _Markup(HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=False)
+        self.seen: list[tuple] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.seen.append(("start", tag, attrs))
+
+    def handle_startendtag(self, tag, attrs):
+        self.seen.append(("startend", tag, attrs))
+
+    def handle_endtag(self, tag):
+        self.seen.append(("end", tag))
+
+    def handle_entityref(self, name):
+        self.seen.append(("entity", name))
+
+    def handle_comment(self, data):
+        self.seen.append(("comment", data))
+
+    def handle_decl(self, decl):
+        self.seen.append(("decl", decl))
+
+
+def markup_of(document: str) -> list[tuple]:
+    """A document's markup in order (tags with their attributes, entities, comments, declarations),
+    text left out: what a translation must give back unchanged (the tests and bench/documents.py
+    compare it)."""
+    parser = _Markup()
+    parser.feed(document)
+    parser.close()
+    return parser.seen

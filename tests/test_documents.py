@@ -5,7 +5,6 @@ codes; the CLI translates stdin as one document."""
 from __future__ import annotations
 
 import io
-from html.parser import HTMLParser
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from server import client as client_cli
 from server.client import Client
 from server.documents import segment, whole
 from server.languages import normalize
-from server.markup import segment_html
+from server.markup import markup_of, segment_html
 from server.unknowns import Alphabet, protect, restore
 from tests.served import REPO, RunningServer, config_for
 from training.data import load_examples, load_sentencepiece
@@ -96,40 +95,12 @@ PAGE = """<!DOCTYPE html>
 """
 
 
-class Markup(HTMLParser):
-    """A document's markup in order: tags with their attributes, entities, comments, declarations."""
-
-    def __init__(self, document: str):
-        super().__init__(convert_charrefs=False)
-        self.seen = []
-        self.feed(document)
-        self.close()
-
-    def handle_starttag(self, tag, attrs):
-        self.seen.append(("start", tag, attrs))
-
-    def handle_startendtag(self, tag, attrs):
-        self.seen.append(("startend", tag, attrs))
-
-    def handle_endtag(self, tag):
-        self.seen.append(("end", tag))
-
-    def handle_entityref(self, name):
-        self.seen.append(("entity", name))
-
-    def handle_comment(self, data):
-        self.seen.append(("comment", data))
-
-    def handle_decl(self, decl):
-        self.seen.append(("decl", decl))
-
-
 def test_html_sentences_span_inline_tags_and_leave_the_rest_alone():
     layout = segment_html(PAGE, "de", lambda s: True)
     assert [" ".join(s.split()) for s in layout.segments] == [
         "Hunde", "Ein Tag im Park", "Ein großer Hund läuft über die Wiese.", "Eine kleine Katze schläft träumt.",
         "Zwei Männer spielen Fußball.", "Ein Kind lacht.", "Es regnet.", "Ein Mann sitzt", "auf einer Bank."]
-    assert Markup(layout.join(layout.segments)).seen == Markup(PAGE).seen
+    assert markup_of(layout.join(layout.segments)) == markup_of(PAGE)
 
 
 def test_inline_tags_go_to_the_same_relative_word_position():
@@ -267,9 +238,9 @@ def test_special_characters_survive_the_round_trip(client):
 def test_html_comes_back_with_identical_markup(client):
     response = client.translate([PAGE, "<p>Ein <b>Hund</b> 😀.</p>"], target="en", html=True, beam_size=2).results
     out = response[0].hypotheses[0].text
-    assert Markup(out).seen == Markup(PAGE).seen
+    assert markup_of(out) == markup_of(PAGE)
     assert response[0].sentences == 9 and "<script>if (a < b) { go(); }</script>" in out
-    assert Markup(response[1].hypotheses[0].text).seen == Markup("<p><b></b></p>").seen
+    assert markup_of(response[1].hypotheses[0].text) == markup_of("<p><b></b></p>")
     assert "😀" in response[1].hypotheses[0].text
 
 
