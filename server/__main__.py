@@ -10,12 +10,13 @@ import sys
 import torch
 
 from . import config as server_config
+from . import logs
 from .models import ModelError
 
 
 def main(argv=None) -> int:
     config, prepare_only = server_config.load(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(config.log_level, config.log_format)
     from .app import App  # after logging is set up: loading models logs
     from .metrics import Metrics
     from .registry import Registry

@@ -24,7 +24,7 @@ from .engine.scheduler import POLICIES
 
 # The enumerated fields and their values: the flags list them, check() refuses anything else.
 CHOICES = {"backend": tuple(BACKENDS), "precision": ("auto", "fp32", "int8"), "replicas": ("process", "thread"),
-           "batching": tuple(POLICIES), "log_level": ("debug", "info", "warning", "error")}
+           "batching": tuple(POLICIES), "log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json")}
 
 
 @dataclass
@@ -56,6 +56,7 @@ class ServerConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     auth_token: str = ""  # bearer token required on every call but health checks (or $GRET_SERVE_TOKEN)
     log_level: str = "info"  # debug also logs request text
+    log_format: str = "text"  # json: one JSON object per line, with the request id of the call it concerns
     # limits on requests
     max_beam: int = 16  # beam size and n-best list at most
     max_texts: int = 256  # texts in one call at most

@@ -28,6 +28,7 @@ from .engine.options import DecodingOptions, OptionError
 from .engine.scheduler import QueueFull
 from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
 from .languages import AUTO, normalize
+from .logs import HEADER, REQUEST_ID, request_id
 from .metrics import Metrics
 from .pipeline import Document, InputError, Pipeline
 from .registry import ModelNotFound, Registry
@@ -123,20 +124,26 @@ class InferenceService(pb_grpc.InferenceServicer):
         status the client sees: a CallError becomes that status; a client gone (a cancel or the
         deadline, raised by grpc as CancelledError, or as a failed write while we waited for its
         window) becomes CancelledError, which grpc expects of a cancelled handler and logs no
-        traceback for; anything else is the UNKNOWN that grpc answers."""
+        traceback for; anything else is the UNKNOWN that grpc answers. The call's request id
+        (server/logs.py) is in its log lines and goes back in the trailing metadata."""
         code = grpc.StatusCode.UNKNOWN
+        given = REQUEST_ID.get() or dict(context.invocation_metadata() or ()).get(HEADER, "")
+        rid = request_id(given)
+        known = REQUEST_ID.set(rid)
+        context.set_trailing_metadata(((HEADER, rid),))
         try:
             yield call
             code = grpc.StatusCode.OK
         except CallError as e:
             code = e.code
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, ((HEADER, rid),))
         except (asyncio.CancelledError, ExecuteBatchError):
             code = self._gone(context)
             raise asyncio.CancelledError from None
         finally:
             call.release()
             self.metrics.call_ended(call.model, method, code.name, time.monotonic() - call.start)
+            REQUEST_ID.reset(known)
 
     @staticmethod
     def _gone(context) -> grpc.StatusCode:

@@ -241,3 +241,18 @@ def test_over_tls_the_token_is_required_on_the_api_but_not_for_health(guarded):
         assert https("/v1/models", headers=headers)[0] == 401
     assert https("/translate", request, {"Authorization": f"Bearer {TOKEN}"})[0] == 200
     assert https("/health/ready")[0] == 200
+
+
+def test_every_answer_carries_its_request_id_and_a_clients_own_is_kept(server):
+    import urllib.request as web
+
+    def ask(headers: dict) -> str:
+        call = web.Request(f"http://127.0.0.1:{server.app.http_port}/translate", method="POST",
+                           data=json.dumps({"q": GERMAN[0], "source": "de", "target": "en"}).encode(),
+                           headers={"Content-Type": "application/json", **headers})
+        with web.urlopen(call, timeout=60) as answer:
+            return answer.headers["x-request-id"]
+
+    assert ask({"X-Request-Id": "client-7"}) == "client-7"
+    first, second = ask({}), ask({})
+    assert first and second and first != second

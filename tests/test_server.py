@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proto import gret_serve_pb2 as pb
 from server.client import Client
 from server.reflect import main as reflect_main
 from tests.served import RunningServer, config_for, free_port
@@ -312,3 +315,36 @@ def test_concurrent_calls_with_different_options_share_batches_and_match_one_at_
     batched = client.translate(texts[:4], target="en", beam_size=3).results
     singly = [client.translate([t], target="en", beam_size=3).results[0] for t in texts[:4]]
     assert [r.hypotheses[0].text for r in batched] == [r.hypotheses[0].text for r in singly]
+
+
+def test_a_call_gets_its_request_id_back_and_the_json_log_carries_it(models, tmp_path):
+    """--log-format json: one JSON object per line; the lines written for a call carry its request id,
+    which the client also gets back (trailing metadata), its own if it sent one."""
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--models-dir", str(models), "--models", "tiny-de-en",
+                                 "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0",
+                                 "--workers", "1", "--replicas", "thread", "--build-cache", str(tmp_path / "cache"),
+                                 "--log-level", "debug", "--log-format", "json"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        port = None
+        for _ in range(600):
+            found = re.search(r"serving \S+ on [^:\s]+:(\d+)", log.read_text())
+            if found:
+                port = int(found.group(1))
+                break
+            time.sleep(0.2)
+        assert port, log.read_text()[-2000:]
+        with Client(f"127.0.0.1:{port}", timeout=60) as c:
+            _, call = c.stub.Translate.with_call(pb.TranslateRequest(texts=["Ein Hund."], target_language="en"),
+                                                 metadata=(("x-request-id", "client-42"),), timeout=60)
+            assert dict(call.trailing_metadata())["x-request-id"] == "client-42"
+            _, call = c.stub.Translate.with_call(pb.TranslateRequest(texts=["Eine Katze."], target_language="en"),
+                                                 timeout=60)
+            assert dict(call.trailing_metadata())["x-request-id"] not in ("", "client-42")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    assert any(line.get("request_id") == "client-42" and "Ein Hund" in line["message"] for line in lines)

@@ -55,8 +55,14 @@ class HttpContext:
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    async def abort(self, code: grpc.StatusCode, message: str):
+    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()):
         raise CallFailed(code, message)
+
+    def invocation_metadata(self) -> tuple:  # the request id is already set (server.web.routes.RequestIds)
+        return ()
+
+    def set_trailing_metadata(self, metadata) -> None:  # the request id goes back as a header instead
+        pass
 
     async def write(self, message) -> None:
         await self._write(message)

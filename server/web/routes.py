@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..auth import Token
+from ..logs import HEADER, REQUEST_ID, request_id
 from ..registry import Registry
 from ..service import InferenceService
 from .calls import CallFailed
@@ -25,6 +26,7 @@ def create_app(service: InferenceService, registry: Registry, token: str = "") -
     app = FastAPI(title="gret-serve", summary="Translation and summarisation; the gRPC API over HTTP/JSON",
                   openapi_url="/docs", docs_url=None, redoc_url=None)
     app.add_exception_handler(CallFailed, lambda request, error: error.response())
+    app.add_middleware(RequestIds)
     guard = [Depends(bearer(Token(token)))] if token else []
     app.include_router(libretranslate_routes(service, registry), dependencies=guard)
     app.include_router(native_routes(service), dependencies=guard)
@@ -36,6 +38,30 @@ def create_app(service: InferenceService, registry: Registry, token: str = "") -
 
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+class RequestIds:
+    """ASGI middleware: each HTTP call runs under its request id (the client's X-Request-Id, else a
+    new one; server/logs.py), which the service logs with and the response carries back."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = request_id(dict(scope["headers"]).get(HEADER.encode(), b"").decode("latin-1"))
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (HEADER.encode(), rid.encode())]
+            await send(message)
+
+        known = REQUEST_ID.set(rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(known)
 
 
 def bearer(token: Token):
