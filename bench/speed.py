@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -38,8 +39,9 @@ import numpy as np
 
 from bench import add_publish, results_dir
 from bench.engine import CTranslate2, _commit, _versions, export
-from bench.server import Plan, ServerProcess, call, closed_loop
+from bench.server import FULL, Plan, ServerProcess, call, closed_loop
 from proto import gret_serve_pb2_grpc as pb_grpc
+from server.config import ServerConfig
 from server.engine.options import DecodingOptions
 from server.engine.workers import WorkerReplicas
 from training.checkpoint import load_checkpoint
@@ -50,8 +52,9 @@ SWEEP = (1, 4, 16, 64, 256)
 TARGETS = {"server_vs_ct2": 1.0, "engine_vs_ct2": 1.0, "gret_vs_vanilla": 0.9}
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0))
+def window(seconds: float, warmup: float) -> Plan:
+    """A closed-loop point of `seconds`, the first `warmup` not counted (all closed_loop reads of a Plan)."""
+    return dataclasses.replace(FULL, saturation_seconds=seconds, warmup_seconds=warmup, max_requests=100_000)
 
 
 # ---- CTranslate2 ---------------------------------------------------------------------------------
@@ -109,7 +112,6 @@ class EngineOffline:
     (thread-seconds summed over the loops), which says where the server's time goes."""
 
     def __init__(self, args):
-        from server.config import ServerConfig
         from server.models import load_entry
         from server.pipeline import build_pipeline
 
@@ -167,11 +169,9 @@ def measure(args, log_dir: Path) -> dict:
     texts = [e.source for e in examples]
     sources = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
     ct2_repo = export(checkpoint, args.build_dir / "ct2", "ct2")
-    cores = usable_cores()
+    cores = ServerConfig().loops()  # the cores the server's defaults use: CTranslate2 gets as many
     ct2 = {f"ct2-int8-1x{cores}": Ct2Offline(ct2_repo, cores, 1), f"ct2-int8-{cores}x1": Ct2Offline(ct2_repo, 1, cores)}
-    plan = Plan(rounds=args.rounds, concurrency=CALLERS, saturation_seconds=args.seconds, warmup_seconds=args.warmup,
-                max_requests=100_000, fractions=(), open_seconds=0, drain_seconds=0, offline_texts=args.ct2_texts,
-                cache_pairs=0)
+    plan = window(args.seconds, args.warmup)
     servers = {"server-vanilla": (start_server("vanilla", args.model, args, log_dir), args.model),
                "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret)}
     engine = EngineOffline(args)
@@ -203,9 +203,7 @@ def measure(args, log_dir: Path) -> dict:
                                                       / row["server-vanilla"]["texts_per_s"], 3)}
             rounds.append(row)
         sweep = {"server": {}, "ct2": {}}
-        sweep_plan = Plan(rounds=1, concurrency=0, saturation_seconds=args.sweep_seconds, warmup_seconds=args.warmup,
-                          max_requests=100_000, fractions=(), open_seconds=0, drain_seconds=0, offline_texts=0,
-                          cache_pairs=0)
+        sweep_plan = window(args.sweep_seconds, args.warmup)
         ct2_server = CTranslate2(ct2_repo, "int8", 1, DecodingOptions(beam=BEAM), replicas=cores)
         for callers in SWEEP:
             server, model = servers["server-vanilla"]

@@ -44,7 +44,7 @@ class Metrics:
         self.queue_depth = Gauge("gret_serve_queue_depth", "Sentences waiting for admission", ["model"], registry=r)
         self.model_info = Gauge("gret_serve_model_info", "Loaded models (value 1)",
                                 ["model", "version", "task", "backend", "precision", "architecture"], registry=r)
-        self.input_pieces = Histogram("gret_serve_input_pieces", "Per text: source pieces (end of sentence included)",
+        self.input_pieces = Histogram("gret_serve_input_pieces", "Per decoded sequence (a text, or a sentence of a document): source pieces, end of sentence included",
                                       ["model"], buckets=PIECES, registry=r)
         self._caches: dict[str, object] = {}
         self._results: dict[str, object] = {}

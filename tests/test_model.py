@@ -237,7 +237,18 @@ def test_scaled_global_state_sits_on_the_decoder_states_scale():
 
 
 def test_routing_scale_softens_the_coupling():
+    """Routing logits are dot products of LayerNormed states (norm ~ sqrt(D)): unscaled, a capsule
+    couples to a few positions; divided by sqrt(D), the coupling spreads over the sentence."""
+    from kernels.routing import capsule_routing_reference
+
     cfg = tiny_config("gret_capsule", routing_scale=True)
     model = Seq2Seq(cfg)
     assert model.global_state.routing_logit_scale == pytest.approx(cfg.d_model ** -0.5)
     assert Seq2Seq(tiny_config("gret_capsule")).global_state.routing_logit_scale == 1.0
+    g = torch.Generator().manual_seed(0)
+    h = torch.nn.functional.layer_norm(torch.randn(4, 12, cfg.d_model, generator=g), (cfg.d_model,))
+    pad = torch.zeros(4, 12, dtype=torch.bool)
+    peak = {scale: capsule_routing_reference(h, pad, model.global_state.capsule_w.detach(), 3, coupling=True,
+                                             scale=scale)[1].max(-1).values.mean()
+            for scale in (1.0, model.global_state.routing_logit_scale)}
+    assert peak[model.global_state.routing_logit_scale] < peak[1.0]

@@ -29,7 +29,7 @@ from .checkpoint import load_checkpoint
 from .data import BOS, PAD, encode_source, load_examples, pad, source_batches
 from .decode import corpus_translate
 from .metrics import bleu, paired_bootstrap, rouge
-from .study import PROBE_PREFIX, RESULTS_DIR, TEST_SPLITS, git_commit
+from .study import PROBE_PREFIX, RESULTS_DIR, TEST_SPLITS, bag_of_words_weight, git_commit
 
 USES_MARGIN = 0.5  # BLEU / ROUGE-1 points the mean replacement must cost (issue 18's bar)
 
@@ -114,7 +114,7 @@ def probe(path: Path, beam: int, samples: int) -> dict:
     return {"name": path.name, "dataset": data.dataset, "uses_global_state": uses, "direction": f"{data.src_lang}-{data.tgt_lang}",
             "split": split, "metric": metric,
             "modules": [m for m in ("capsule", "aggregate", "gate", "global_norm", "routing_scale")
-                        if getattr(ckpt.model, m)] + (["bow"] if ckpt.training.get("args", {}).get("global_bow") else []),
+                        if getattr(ckpt.model, m)] + (["bow"] if bag_of_words_weight(ckpt) else []),
             "trained": {metric: score(trained)}, "ablations": ablations,
             "global_state_spread": round(spread, 4),
             "gate": gate_statistics(model, src, [[BOS] + sp.encode(e.target)[: data.max_tgt_len - 2]

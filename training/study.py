@@ -43,11 +43,16 @@ def describe(cfg) -> dict:
             "graph": f"{cfg.graph_fusion}{'+half' if cfg.graph_half_dim else ''}" if cfg.encoder == "graph" else None}
 
 
+def bag_of_words_weight(ckpt) -> float:
+    """The training's --global-bow weight (0: the model was trained without the bag-of-words loss)."""
+    return ckpt.training.get("args", {}).get("global_bow") or 0.0
+
+
 def decode_system(path: Path, splits: tuple[str, ...], beam: int) -> dict:
     model, ckpt, sp = load_checkpoint(path)
     data = ckpt.data
     out = {"name": path.name, "checkpoint": str(path), "parameters": model.num_parameters(),
-           "arch": describe(ckpt.model) | {"global_bow": ckpt.training.get("args", {}).get("global_bow")},
+           "arch": describe(ckpt.model) | {"global_bow": bag_of_words_weight(ckpt)},
            "steps": ckpt.training.get("steps"),
            "init_from": ckpt.training.get("init_from"), "splits": {}, "hyps": {}}
     for split in splits:

@@ -25,14 +25,17 @@ class EncoderCache(LRU[EncoderState]):
 
     def __init__(self, max_bytes: int):
         super().__init__(max_bytes, size=lambda state: state.nbytes)
-        self.max_bytes = max_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self.capacity
 
     @property
     def bytes(self) -> int:
         return self.used
 
     def stats(self) -> dict[str, int]:
-        return self.counters() | {"bytes": self.used, "max_bytes": self.max_bytes}
+        return self.counters() | {"bytes": self.used, "max_bytes": self.capacity}
 
 
 def cache_key(version: Hashable, ids: Sequence[int], tags: Sequence[int] | None = None) -> Key:

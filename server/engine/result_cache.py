@@ -15,15 +15,11 @@ def result_key(version: str, seq: Sequence) -> tuple:
 class ResultCache(LRU[list[Hypothesis]]):
     """Bounded by entries; size 0 turns it off (nothing stored, nothing counted)."""
 
-    def __init__(self, max_entries: int):
-        super().__init__(max_entries)
-        self.max_entries = max_entries
-
     def get(self, key: tuple) -> list[Hypothesis] | None:
-        return super().get(key) if self.max_entries else None
+        return super().get(key) if self.capacity else None
 
     def put(self, key: tuple, hypotheses: list[Hypothesis]) -> None:
-        if self.max_entries:
+        if self.capacity:
             super().put(key, list(hypotheses))
 
     def stats(self) -> dict[str, int]:

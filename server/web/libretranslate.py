@@ -62,10 +62,6 @@ def documented(kind: type[BaseModel]) -> dict:
 def libretranslate_routes(service: InferenceService, registry: Registry) -> APIRouter:
     router = APIRouter(tags=["LibreTranslate"])
 
-    def sources_into(target: str) -> set[str]:
-        return {p.entry.source_language for p in registry
-                if p.entry.task == "translate" and p.entry.target_language == target}
-
     @router.post("/translate", summary="Translate a text or a list of texts", openapi_extra=documented(TranslateBody))
     async def translate(request: Request):
         body = await read(request, TranslateBody)
