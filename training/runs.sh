@@ -6,6 +6,7 @@
 #   bash training/runs.sh ship    # summarisation, en->de, then the study's Graph and GRET-from-scratch runs and their control
 #   bash training/runs.sh giga-vocab  # Gigaword with a 4000-piece vocabulary, from scratch
 #   bash training/runs.sh gret-a & bash training/runs.sh gret-b & bash training/runs.sh gret-c   # GRET's scale switches (docs/GRET.md)
+#   bash training/runs.sh gret-d & bash training/runs.sh gret-e   # the scale switches from scratch, with mvPE + POS
 #
 # Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
@@ -116,6 +117,16 @@ gret_c() {
     --gret capsule,aggregate --global-norm --global-zero-bias --routing-scale --global-bow 0.5
 }
 
+# from scratch, the setting in which GRET learns with the model: the ungated variant (which uses s^M when
+# continued) together with mvPE + POS tags (the study's best scratch variant), against the scratch control
+gret_d() {
+  run deen-scratch-control $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500
+}
+gret_e() {
+  run deen-gret-ungated-mvpe-pos $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
+    --mvpe --pos-tags --gret capsule,aggregate --global-norm --global-zero-bias --routing-scale --global-bow 0.5
+}
+
 case "${1:-}" in
   study) study ;;
   ship) ship ;;
@@ -123,5 +134,7 @@ case "${1:-}" in
   gret-a) gret_a ;;
   gret-b) gret_b ;;
   gret-c) gret_c ;;
-  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c" >&2; exit 2 ;;
+  gret-d) gret_d ;;
+  gret-e) gret_e ;;
+  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e" >&2; exit 2 ;;
 esac
