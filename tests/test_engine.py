@@ -96,6 +96,32 @@ def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     assert [h.tokens for h in long.hypotheses] == [h.tokens for h in offline(model, long.src, long.options)]
 
 
+def test_encoder_slots_free_on_leaving_close_their_holes_and_change_no_output():
+    """Each sequence's encoder state sits in a slot of its own: a departure frees it (nothing else
+    moves), the source axis shrinks once the longest source has left, and once holes are an eighth
+    of the slots read the top slots move down; every text still gets its offline result."""
+    model = tiny_model("gret_full")
+    engine = engine_for(model)
+    quick = DecodingOptions(beam=2, max_len_a=0, max_len_b=2)
+    slow = DecodingOptions(beam=2, max_len_b=30)
+    srcs = sources(model, [15, 4, 5, 6, 4, 5, 6, 7, 5], seed=4)
+    seqs = [make_seq(model, srcs[0], quick)] + [make_seq(model, s, quick) for s in srcs[1:6]] + \
+        [make_seq(model, s, slow) for s in srcs[6:]]
+    engine.submit(seqs)
+    engine.iterate()
+    slots = engine.batch.sources
+    assert slots.width == 16 and slots.in_use() == 9  # the 15-piece source sets the width
+    while any(s.status is None for s in seqs[:6]):
+        engine.iterate()
+    assert len(engine.batch) == 3
+    assert slots.width == 8  # the longest source left
+    assert slots.in_use() == 3  # the three running texts were moved down into the freed slots
+    engine.run_until_idle()
+    for seq, src in zip(seqs, srcs):
+        assert seq.status == OK
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in offline(model, src, seq.options)]
+
+
 def test_a_second_run_reuses_the_cache_storage_and_its_stale_columns_change_no_output():
     """Resizes lay the cache out in the batch's spare storage: once it has seen the largest cache,
     nothing is allocated, and what earlier rows left in unwritten columns stays masked."""

@@ -1,7 +1,8 @@
 """The running batch: every live beam of every admitted sequence as one row of one decoder step.
 
 Search state, in row order (rows of a sequence are contiguous; sequences in admission order):
-  enc       EncoderState with one entry per sequence (never tiled per beam)
+  sources   each sequence's encoder state in a slot of its own (source_slots.py; never tiled per
+            beam), enc_slot (S,) which slot
   row_seq   (R,) which sequence (index into `seqs`, and into enc) a row belongs to
   tokens    (R,) each row's last token;  positions (R,) its next target position = keys cached
   scores    (R,) cumulative log-probability;  history (R, columns): row r's tokens so far in
@@ -32,7 +33,7 @@ sequence has one row (BOS), not `beam` copies.
 
 A step is two calls, timed apart by the engine: search() decides (top-k, candidates, finished
 hypotheses), advance() moves the rows into their next state (history, the self-attention cache,
-the encoder state).
+the encoder slots of sequences that ended).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from training.beam import NEG_INF, Hypothesis, candidates, select
 from training.model import EncoderState
 
 from .sequence import Sequence
+from .source_slots import SourceSlots
 from .topk import row_topk
 
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
@@ -66,7 +68,8 @@ class Batch:
         self.seqs: list[Sequence] = []
         self.counts, self.beams, self.limits, self.held = (torch.empty(0, dtype=torch.long) for _ in range(4))
         self.constrained = 0  # sequences with min_length or no_repeat_ngram: _constrain's work
-        self.enc: EncoderState | None = None
+        self.sources = SourceSlots()
+        self.enc_slot = torch.empty(0, dtype=torch.long)
         self.row_seq = torch.empty(0, dtype=torch.long)
         self.tokens = torch.empty(0, dtype=torch.long)
         self.positions = torch.empty(0, dtype=torch.long)
@@ -104,19 +107,21 @@ class Batch:
         self.limits = torch.cat([self.limits, torch.tensor([s.max_len for s in seqs])])
         self.held = torch.cat([self.held, torch.zeros(n, dtype=torch.long)])
         self.constrained += sum(map(constrained, seqs))
-        self.enc = enc if self.enc is None else EncoderState.stack([self.enc, enc])
+        self.enc_slot = torch.cat([self.enc_slot, self.sources.put(enc)])
 
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:
         """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, past_pad, enc,
-        cache); an empty slot has row_sentence -1 and no column of its own."""
+        cache); an empty slot has row_sentence -1 and no column of its own. A row's sentence is
+        its sequence's encoder slot."""
         n = int(self.slot.max()) + 1
         tokens = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.tokens)
         positions = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
-        row_sentence = torch.full((n,), -1, dtype=torch.long).index_copy_(0, self.slot, self.row_seq)
+        row_sentence = torch.full((n,), -1, dtype=torch.long).index_copy_(0, self.slot,
+                                                                         self.enc_slot.index_select(0, self.row_seq))
         past_pad = torch.arange(self.width)[None] >= positions[:, None]
         cache = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
-        return tokens, positions, row_sentence, past_pad, self.enc, cache
+        return tokens, positions, row_sentence, past_pad, self.sources.state(), cache
 
     @property
     def width(self) -> int:
@@ -216,7 +221,13 @@ class Batch:
             self.seqs = [self.seqs[i] for i in alive.tolist()]
             self.beams, self.limits, self.held = (t.index_select(0, alive) for t in (self.beams, self.limits, self.held))
             self.constrained -= sum(map(constrained, leaving))
-            self.enc = trim_source(self.enc.select(alive)) if len(alive) else None
+            gone = torch.ones(len(self.enc_slot), dtype=torch.bool)
+            gone[alive] = False
+            self.sources.free(self.enc_slot[gone])
+            self.enc_slot = self.enc_slot.index_select(0, alive)
+            moves = self.sources.compact()
+            if moves:
+                self.enc_slot = torch.tensor([moves.get(s, s) for s in self.enc_slot.tolist()], dtype=torch.long)
         if not len(alive):  # the storage stays for the next sequences
             return
         self._close_up()
@@ -324,13 +335,3 @@ def banned_tokens(history: list[int], n: int) -> list[int]:
     """Tokens that would complete an n-gram already present in `history`."""
     prefix = tuple(history[len(history) - n + 1:]) if n > 1 else ()
     return [history[i + n - 1] for i in range(len(history) - n + 1) if tuple(history[i: i + n - 1]) == prefix]
-
-
-def trim_source(enc: EncoderState) -> EncoderState:
-    """Drop source columns that are padding for every remaining sentence."""
-    width = int((~enc.src_pad).sum(1).max())
-    if width == enc.src_pad.shape[1]:
-        return enc
-    return EncoderState([(k[:, :, :width], v[:, :, :width]) for k, v in enc.memory], enc.src_pad[:, :width],
-                        enc.global_state, enc.gate_source)
-

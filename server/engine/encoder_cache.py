@@ -60,7 +60,10 @@ def encode_cached(model, cache: EncoderCache, version: Hashable, src_ids: Sequen
             src[row, : lengths[row]] = torch.tensor(key[1], dtype=torch.long)
             if tags is not None:
                 tags[row, : lengths[row]] = torch.tensor(key[2], dtype=torch.long)
-        for key, state in zip(missing, model.encode(src, tags).split(lengths)):
+        encoded = model.encode(src, tags)
+        if len(missing) == len(keys) and not cache.capacity:  # nothing to store or assemble: as encoded
+            return encoded
+        for key, state in zip(missing, encoded.split(lengths)):
             cache.put(key, state)
             found[key] = state
     return EncoderState.stack([found[key] for key in keys])

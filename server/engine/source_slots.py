@@ -1,0 +1,130 @@
+"""The running batch's encoder outputs, one slot per sequence, in storage that outlives them.
+
+A joining sequence's encoder state (cross-attention K/V per decoder layer, the source padding mask,
+GRET's s^M and Gs) is written once into a free slot; a leaving one frees its slot. Nothing is
+copied when others join or leave, where stacking and selecting per event copied the whole batch's
+state at every admission and every finished sequence (several times a step under steady load).
+
+The decoder step reads slots 0..n-1 (n: the highest in use + 1) as its per-sentence tensors, so
+rows say which slot they read. A free slot among them is computed and read by no row; its mask
+keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
+grows in steps of COLUMNS to the longest source and shrinks once the longest leaves; the slots
+grow by doubling, and the top slots are moved down into holes once an eighth of them are empty.
+"""
+from __future__ import annotations
+
+import torch
+
+from training.model import EncoderState
+
+COLUMNS = 8  # the source axis grows and shrinks in steps of this many columns
+
+
+class SourceSlots:
+    def __init__(self):
+        self.memory: torch.Tensor | None = None  # (2 x layers, slots, H, width, d_h): K at 2i, V at 2i + 1
+        self.src_pad = torch.ones(0, 0, dtype=torch.bool)  # (slots, width) True = not a source piece
+        self.global_state: torch.Tensor | None = None  # (slots, D), GRET only
+        self.gate_source: torch.Tensor | None = None
+        self.lengths = torch.zeros(0, dtype=torch.long)  # each slot's source length; 0 = free
+
+    @property
+    def capacity(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return self.src_pad.shape[1]
+
+    def put(self, enc: EncoderState) -> torch.Tensor:
+        """Write a batch of new sentences' states (enc: one entry each) into free slots; returns them."""
+        n, width = enc.src_pad.shape
+        lengths = (~enc.src_pad).sum(1)
+        free = (self.lengths == 0).nonzero()[:n, 0]
+        if len(free) < n:
+            grown = max(2 * self.capacity, self.capacity + n - len(free), 8)
+            self._layout(grown, max(self.width, whole_steps(width)), enc)
+            free = (self.lengths == 0).nonzero()[:n, 0]
+        elif width > self.width:
+            self._layout(self.capacity, whole_steps(width), enc)
+        memory = torch.stack([t for kv in enc.memory for t in kv])  # (2 x layers, n, H, width, d_h)
+        self.memory[:, free, :, :width] = memory
+        self.src_pad[free] = True
+        self.src_pad[free, :width] = enc.src_pad
+        for name in ("global_state", "gate_source"):
+            if getattr(enc, name) is not None:
+                getattr(self, name)[free] = getattr(enc, name)
+        self.lengths[free] = lengths.clamp(min=1)  # a slot in use never reads as free
+        return free
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.lengths[slots] = 0
+        self.src_pad[slots] = True
+        self.src_pad[slots, 0] = False
+
+    def state(self) -> EncoderState:
+        """Slots 0..n-1 as the decoder step's per-sentence tensors (views, no copies)."""
+        n = self.in_use()
+        memory = [(self.memory[i, :n], self.memory[i + 1, :n]) for i in range(0, self.memory.shape[0], 2)]
+        first = lambda t: None if t is None else t[:n]  # noqa: E731
+        return EncoderState(memory, self.src_pad[:n], first(self.global_state), first(self.gate_source))
+
+    def in_use(self) -> int:
+        """The highest slot in use + 1."""
+        used = self.lengths.nonzero()
+        return int(used[-1, 0]) + 1 if len(used) else 0
+
+    def compact(self) -> dict[int, int] | None:
+        """Close holes once they are an eighth of the slots read, and give back source columns once
+        the longest source has left; returns the moves {old slot: new slot}, or None."""
+        n, used = self.in_use(), int((self.lengths > 0).sum())
+        if used:
+            needed = whole_steps(int(self.lengths.max()))
+            if needed + COLUMNS <= self.width:
+                self._layout(self.capacity, needed)
+        if n - used <= max(1, n // 8):
+            return None
+        high = (self.lengths[used:] > 0).nonzero()[:, 0] + used
+        low = (self.lengths[:used] == 0).nonzero()[:, 0]
+        self.memory[:, low] = self.memory[:, high]
+        for name in ("global_state", "gate_source"):
+            t = getattr(self, name)
+            if t is not None:
+                t[low] = t[high]
+        self.src_pad[low] = self.src_pad[high]
+        self.lengths[low] = self.lengths[high]
+        self.free(high)
+        return dict(zip(high.tolist(), low.tolist()))
+
+    def _layout(self, slots: int, width: int, like: EncoderState | None = None) -> None:
+        """New storage of `slots` x `width`, the slots in use copied over (their columns up to width)."""
+        old = self.memory
+        if old is None:
+            planes = 2 * len(like.memory)
+            _, heads, _, d_head = like.memory[0][0].shape
+        else:
+            planes, _, heads, _, d_head = old.shape
+        self.memory = torch.zeros(planes, slots, heads, width, d_head)
+        src_pad = torch.ones(slots, width, dtype=torch.bool)
+        src_pad[:, 0] = False
+        lengths = torch.zeros(slots, dtype=torch.long)
+        keep, w = min(self.capacity, slots), min(self.width, width)
+        if old is not None:
+            self.memory[:, :keep, :, :w] = old[:, :keep, :, :w]
+            src_pad[:keep, :w] = self.src_pad[:keep, :w]
+            lengths[:keep] = self.lengths[:keep]
+        for name in ("global_state", "gate_source"):
+            t = getattr(self, name)
+            source = getattr(like, name) if like is not None else None
+            if t is None and source is None:
+                continue
+            fresh = torch.zeros(slots, (t if t is not None else source).shape[1])
+            if t is not None:
+                fresh[:keep] = t[:keep]
+            setattr(self, name, fresh)
+        self.src_pad, self.lengths = src_pad, lengths
+
+
+def whole_steps(columns: int) -> int:
+    """`columns` rounded up to a multiple of COLUMNS (at least one step)."""
+    return max(1, -(-columns // COLUMNS)) * COLUMNS
