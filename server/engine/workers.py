@@ -231,7 +231,8 @@ class Worker:
             child.close()  # so that the worker's exit reads as EOF here
             try:
                 while True:
-                    self._handle(*self.conn.recv())
+                    for message in self.conn.recv():  # the worker sends its reports in batches
+                        self._handle(*message)
             except (EOFError, OSError):
                 pass
             self.process.join()
@@ -333,9 +334,14 @@ def serve(spec: WorkerSpec, conn) -> None:
     # holds its lock, a blocked send could wait on a parent that waits on this worker).
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
-    def forward() -> None:
+    def forward() -> None:  # what piled up while the pipe was busy goes as one message: fewer wake-ups there
         while (message := outbox.get()) is not None:
-            conn.send(message)
+            messages = [message]
+            while not outbox.empty() and (message := outbox.get()) is not None:
+                messages.append(message)
+            conn.send(messages)
+            if message is None:
+                break
 
     def send(kind: str, body) -> None:
         outbox.put((kind, body))
