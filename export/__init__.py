@@ -17,7 +17,8 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
                 column, so the caller keeps the cache where it likes (server/engine/batch.py
                 writes it in place; decode_step appends it)
 
-Modules: spec.py (what the graphs hold), graphs.py (the PyTorch modules that are traced),
+Modules: spec.py (what the graphs hold), graphs.py (the modules that are traced: the encoder pass
+and the model's own decoder step, Seq2Seq.step_rows),
 onnx_export.py (trace + check), quantize.py, manifest.py (model.json), repository.py (assembles
 a repository), onnx_runtime.py (the ONNX Runtime backend: encode / decode_step / step / reorder).
 """

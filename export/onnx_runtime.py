@@ -16,7 +16,7 @@ import torch
 
 from training import search
 from training.config import ModelConfig
-from training.model import EncoderState
+from training.model import EncoderState, grown_step
 
 from .graphs import decoder_inputs, unflatten_state
 from .manifest import read_manifest
@@ -109,24 +109,13 @@ class OnnxModel:
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list | None, beam: int = 1,
                     row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
-        """As Seq2Seq.decode_step: every row at the same step, rows read sentence row // beam, or
-        row_sentence[row] when given (any mix of beam sizes). cache None = the first step."""
-        rows = tokens.shape[0]
-        if row_sentence is None:
-            row_sentence = torch.arange(rows, device=tokens.device) // beam
-        if cache is None:
-            empty = torch.empty(rows, self.n_heads, 0, self.d_head, device=self.device)
-            cache = [(empty, empty)] * self.cfg.dec_layers
-        positions = torch.full((rows,), step, dtype=torch.long)
-        past_pad = torch.zeros(rows, cache[0][0].shape[2], dtype=torch.bool)
-        log_probs, new = self.step(tokens, positions, row_sentence, past_pad, enc, cache)
-        return log_probs, [(torch.cat([k, new[2 * i]], 2), torch.cat([v, new[2 * i + 1]], 2))
-                           for i, (k, v) in enumerate(cache)]
+        """As Seq2Seq.decode_step (training.model.grown_step over this backend's step)."""
+        return grown_step(self, tokens, step, enc, cache, beam, row_sentence)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
              past_pad: torch.Tensor, enc: EncoderState, cache: list) -> tuple[torch.Tensor, list]:
-        """One decoder step for rows at their own positions (continuous batching): see
-        export/graphs.py. Returns log-probabilities (R, V) and this step's keys and values in one
+        """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step.
+        Returns log-probabilities (R, V) and this step's keys and values in one
         tensor (2 x layers, R, H, 1, d_h): layer i's keys at 2i, its values at 2i + 1."""
         rows = tokens.shape[0]
         inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)

@@ -116,8 +116,11 @@ def export_digest(cfg: ModelConfig) -> str:
     repositories are cached under it, so new code never serves an old export."""
     shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
     digest = hashlib.sha256(json.dumps(shapes).encode())
-    for module in ("graphs.py", "onnx_export.py", "quantize.py", "manifest.py"):
-        digest.update((Path(__file__).parent / module).read_bytes())
+    from training import layers, model  # the traced decoder step is the model's own (Seq2Seq.step_rows)
+
+    sources = [Path(__file__).parent / m for m in ("graphs.py", "onnx_export.py", "quantize.py", "manifest.py")]
+    for path in sources + [Path(layers.__file__), Path(model.__file__)]:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
 
 

@@ -7,8 +7,8 @@
                                              (2 x layers, R, H, 1, d_h): layer i's K at 2i, V at 2i+1
 
 ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
-modules, eager; on CUDA its encoder runs the Triton kernels through kernels.dispatch). Their step
-is the same function, export/graphs.DecoderGraph, traced for one and called for the other.
+modules, eager; on CUDA the Triton kernels through kernels.dispatch). Their step is the same
+function, training.model.Seq2Seq.step, traced for one and called for the other.
 CTranslate2 batches whole requests itself and is served by server/ct2_engine.py.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from export.graphs import DecoderGraph, decoder_inputs
 from export.onnx_runtime import OnnxModel
 from training.model import EncoderState, Seq2Seq
 
@@ -28,7 +27,6 @@ class TorchBackend:
     def __init__(self, model: Seq2Seq, threads: int | None = None):
         self.model = model.eval()
         self.cfg = model.cfg
-        self.decoder = DecoderGraph(model, kernels=True)
         if threads:
             torch.set_num_threads(threads)
 
@@ -38,9 +36,7 @@ class TorchBackend:
 
     @torch.no_grad()
     def step(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache) -> tuple[torch.Tensor, list]:
-        inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
-        out = self.decoder(*(inputs[name] for name in self.decoder.input_names))
-        return out[0], torch.stack(out[1:])
+        return self.model.step(tokens, positions, row_sentence, past_pad, enc, cache)
 
 
 class OnnxBackend(OnnxModel):

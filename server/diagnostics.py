@@ -31,7 +31,7 @@ def gret_diagnostics(model: Seq2Seq, src: list[int], tokens: list[int],
     if model.context_gate is not None:
         x = model.embed_tokens(torch.tensor([[cfg.bos_id] + tokens]), 0)
         for layer, memory in zip(model.decoder, enc.memory):
-            x, _ = layer(x, memory, enc.src_pad)
+            x = layer(x, memory, enc.src_pad)
         r = model.dec_norm(x[0, : len(tokens)])
         g = gate_values(r, model.context_gate.w_r.weight, enc.gate_source)
         gate = g.mean(-1).tolist()

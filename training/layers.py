@@ -45,6 +45,43 @@ class MultiHeadAttention(nn.Module):
         k, v = self.keys_values(x if memory is None else memory)
         return self.attend(self.split(self.q(x)), k, v, key_pad, causal)
 
+    # ---- one decoder step for rows at their own positions (continuous batching) ---------------
+    def one_position(self, x: torch.Tensor) -> torch.Tensor:
+        """(R, H*d) -> (R, H, 1, d) for a single position: a reshape, where split() is a transpose."""
+        return x.view(x.shape[0], self.n_heads, 1, self.d_head)
+
+    def step_self(self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, past_pad: torch.Tensor
+                  ) -> tuple[torch.Tensor, KV]:
+        """Self-attention of one new position per row x (R, D) over the row's cached keys (R, H, T, d)
+        (columns where past_pad (R, T) is True are not the row's) plus itself. Returns (R, D) and
+        the new position's K/V (R, H, 1, d), never the grown cache: appending would copy it all."""
+        k, v = self.one_position(self.k(x)), self.one_position(self.v(x))
+        q = self.one_position(self.q(x)) * self.d_head ** -0.5
+        past = (q @ past_k.transpose(-1, -2)).masked_fill(past_pad[:, None, None, :], float("-inf"))  # (R, H, 1, T)
+        weights = torch.cat([past, (q * k).sum(-1, keepdim=True)], -1).softmax(-1)
+        out = weights[..., :-1] @ past_v + weights[..., -1:] * v
+        return self.o(out.flatten(1)), (k, v)
+
+    def step_cross(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, group_rows: torch.Tensor,
+                   row_slot: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+        """Cross-attention of rows x (R, D) over per-sentence K/V (B, H, S, d), grouped by sentence
+        (row_groups): queries (R, D) -> groups (B, W, D) (slot R is a zero query: padding) ->
+        attention per sentence, reading its K/V once -> back to rows (R, D). Copying K/V per row
+        instead would move rows x source x D floats per layer and step; the gather moves R x D.
+        kernel=True: the Triton kernel on CUDA (the W slots of a group are its `beam`)."""
+        q = self.q(x)
+        q = torch.cat([q, torch.zeros_like(q[:1])]).index_select(0, group_rows.flatten())
+        q = self.split(q.view(group_rows.shape[0], group_rows.shape[1], -1))  # (B, H, W, d)
+        if kernel:
+            out = grouped_cross_attention(q.transpose(1, 2).flatten(0, 1)[:, :, None], *memory, src_pad,
+                                          group_rows.shape[1])
+            out = out.flatten(1)  # (B * W, D)
+        else:  # spelled out: scaled_dot_product_attention's exported form scales and transposes all of K
+            scores = (q * self.d_head ** -0.5) @ memory[0].transpose(-1, -2)
+            out = scores.masked_fill(src_pad[:, None, None, :], float("-inf")).softmax(-1) @ memory[1]
+            out = out.transpose(1, 2).flatten(2).flatten(0, 1)  # (B * W, D)
+        return self.o(out.index_select(0, row_slot))
+
 
 class FeedForward(nn.Module):
     """W2 ReLU(W1 x); `dropout` acts on the hidden activations (0 in Transformer layers, where
@@ -114,22 +151,26 @@ class DecoderLayer(nn.Module):
         self.res_cross = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, cache: KV | None = None,
-                beam: int = 1) -> tuple[torch.Tensor, KV]:
-        """Without a cache: teacher-forced over all T positions (causal). With a cache: the new
-        positions attend to the cached ones plus themselves; the grown cache is returned."""
-        new_cache = None
+    def forward(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced over all T positions (causal); step() is the one-position form."""
+        x = self.res_self(x, lambda h: self.self_attn(h, causal=h.shape[1] > 1))
+        x = self.res_cross(x, lambda h: self.cross_attn.attend(
+            self.cross_attn.split(self.cross_attn.q(h)), *memory, key_pad=src_pad, kernel=True))
+        return self.res_ffn(x, self.ffn)
+
+    def step(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor],
+             past: KV, past_pad: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, KV]:
+        """The inference form of forward(): one new position per row x (R, D), each row at its own
+        position with its own cache (past K/V (R, H, T, d), past_pad), rows grouped by sentence
+        (groups = (group_rows, row_slot)) for the cross-attention. Returns (R, D) and the new
+        position's K/V. Training's search, the export and the serving engine all run this."""
+        new = []
 
         def self_attention(h):
-            nonlocal new_cache
-            k, v = self.self_attn.keys_values(h)
-            if cache is not None:
-                k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-            new_cache = (k, v)
-            causal = h.shape[1] > 1 and cache is None
-            return self.self_attn.attend(self.self_attn.split(self.self_attn.q(h)), k, v, causal=causal)
+            out, kv = self.self_attn.step_self(h, *past, past_pad)
+            new.append(kv)
+            return out
 
         x = self.res_self(x, self_attention)
-        x = self.res_cross(x, lambda h: self.cross_attn.attend(
-            self.cross_attn.split(self.cross_attn.q(h)), *memory, key_pad=src_pad, beam=beam, kernel=True))
-        return self.res_ffn(x, self.ffn), new_cache
+        x = self.res_cross(x, lambda h: self.cross_attn.step_cross(h, memory, src_pad, *groups, kernel))
+        return self.res_ffn(x, self.ffn), new[0]

@@ -2,8 +2,11 @@
 mvPE + POS tags or the Graph-Transformer encoder.
 
 encode() runs once per source batch and returns everything the decoder needs for any number
-of steps (cross-attention K/V, GRET's s^M and Gs); decode_step() runs one step for R = B*beam
-rows, reading those per-sentence tensors by row // beam without tiling them."""
+of steps (cross-attention K/V, GRET's s^M and Gs). step() is the one decoder step of inference,
+for rows at their own positions with their own caches (continuous batching), grouped by sentence
+so that the per-sentence tensors are read without tiling them per row: the serving engine runs
+it, export traces it (step_rows, export/graphs.py) and training's search runs it through
+decode_step() (every row at the same step, the cache grown by concatenation)."""
 from __future__ import annotations
 
 import math
@@ -136,36 +139,63 @@ class Seq2Seq(nn.Module):
                          self.cfg.n_heads)
 
     # ---- decoder ------------------------------------------------------------------------
-    def output(self, h: torch.Tensor, enc: EncoderState, beam: int) -> torch.Tensor:
+    def output(self, h: torch.Tensor, enc: EncoderState, beam: int, kernels: bool = True) -> torch.Tensor:
         """Final hidden states (R, T, D) -> logits (R, T, V), with GRET's global state added.
-        LN_out + context gate run as one kernel on CUDA (kernels.context_gate.gated_output)."""
-        if enc.global_state is not None and self.context_gate is not None:
+        kernels=True: LN_out + context gate as one kernel on CUDA (kernels.context_gate.gated_output);
+        False: the same math in plain torch ops, which tracing follows. The projection multiplies by
+        the table's transpose, which export folds into a (D, V) constant (gathering columns of one
+        transposed copy cost ONNX Runtime as much as all the LayerNorms of a step)."""
+        if enc.global_state is not None and self.context_gate is not None and kernels:
             norm = self.dec_norm
             params = (norm.weight, norm.bias, norm.eps) if isinstance(norm, nn.LayerNorm) else None
             r = gated_output(h, self.context_gate.w_r.weight, enc.global_state, enc.gate_source, beam, params)
-            return F.linear(r, self.embed.weight)
+            return r @ self.embed.weight.t()
         r = self.dec_norm(h)
-        if enc.global_state is not None:
+        if self.context_gate is not None and enc.global_state is not None:
+            r = self.context_gate(r.unflatten(0, (-1, beam)), enc.global_state, enc.gate_source).flatten(0, 1)
+        elif enc.global_state is not None:
             r = (r.unflatten(0, (-1, beam)) + enc.global_state[:, None, None]).flatten(0, 1)
-        return F.linear(r, self.embed.weight)
+        return r @ self.embed.weight.t()
 
     def decode(self, tgt_in: torch.Tensor, enc: EncoderState) -> torch.Tensor:
         """Teacher-forced: all T positions at once. Returns logits (B, T, V)."""
         x = self.embed_tokens(tgt_in, 0)
         for layer, memory in zip(self.decoder, enc.memory):
-            x, _ = layer(x, memory, enc.src_pad)
+            x = layer(x, memory, enc.src_pad)
         return self.output(x, enc, beam=1)
 
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+             past_pad: torch.Tensor, enc: EncoderState, cache: list[KV], kernels: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder step for rows at their own positions: row r holds token tokens[r] at
+        position positions[r], reads sentence row_sentence[r] of enc (-1: an empty row, computed
+        and read by nobody) and its cached keys (cache: per layer (R, H, T, d), past_pad (R, T)
+        True where a column is not the row's). Returns log-probabilities (R, V) and this step's
+        keys and values (2 x layers, R, H, 1, d): layer i's K at 2i, its V at 2i + 1."""
+        row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
+        log_probs, new = self.step_rows(tokens, positions, row_sentence.clamp(min=0), group_rows, row_slot, past_pad,
+                                        enc, cache, kernels)
+        return log_probs, torch.stack([t for kv in new for t in kv])
+
+    def step_rows(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor | None,
+                  group_rows: torch.Tensor, row_slot: torch.Tensor, past_pad: torch.Tensor, enc: EncoderState,
+                  cache: list[KV], kernels: bool = False) -> tuple[torch.Tensor, list[KV]]:
+        """step() with the row grouping given (row_groups()): the form export traces (kernels=False;
+        row_sentence may be None when no per-sentence tensor is read per row, i.e. without GRET)."""
+        per_row = lambda t: None if t is None else t.index_select(0, row_sentence)  # noqa: E731
+        x = self.embed.weight.index_select(0, tokens) * math.sqrt(self.cfg.d_model)
+        x = x + self.positions.index_select(0, positions)  # (R, D)
+        new = []
+        for layer, memory, past in zip(self.decoder, enc.memory, cache):
+            x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, past_pad, kernels)
+            new.append(kv)
+        rows = EncoderState([], enc.src_pad, per_row(enc.global_state), per_row(enc.gate_source))
+        return torch.log_softmax(self.output(x[:, None], rows, 1, kernels)[:, 0].float(), -1), new
+
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None,
-                    beam: int = 1) -> tuple[torch.Tensor, list[KV]]:
-        """One incremental step. tokens: (R,) with R = B*beam; rows r*beam..r*beam+beam-1 belong
-        to sentence r. Returns log-probabilities (R, V) and the grown self-attention cache."""
-        x = self.embed_tokens(tokens[:, None], step)
-        new_cache = []
-        for i, (layer, memory) in enumerate(zip(self.decoder, enc.memory)):
-            x, layer_cache = layer(x, memory, enc.src_pad, None if cache is None else cache[i], beam)
-            new_cache.append(layer_cache)
-        return torch.log_softmax(self.output(x, enc, beam)[:, 0].float(), -1), new_cache
+                    beam: int = 1, row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """grown_step() on this model: training.search's step."""
+        return grown_step(self, tokens, step, enc, cache, beam, row_sentence)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_tags: torch.Tensor | None = None,
                 with_global_state: bool = False):
@@ -181,3 +211,41 @@ class Seq2Seq(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def grown_step(model, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None, beam: int = 1,
+               row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+    """One step of model.step (any backend with that method) for rows all at `step`: rows read
+    sentence row // beam (or row_sentence[row]), the cache (None at the first step) comes back
+    grown by the step's column. Returns log-probabilities (R, V) and the grown cache."""
+    rows, cfg = tokens.shape[0], model.cfg
+    if row_sentence is None:
+        row_sentence = torch.arange(rows, device=tokens.device) // beam
+    if cache is None:
+        empty = torch.empty(rows, cfg.n_heads, 0, cfg.d_model // cfg.n_heads, device=tokens.device)
+        cache = [(empty, empty)] * cfg.dec_layers
+    positions = torch.full((rows,), step, dtype=torch.long, device=tokens.device)
+    past_pad = torch.zeros(rows, cache[0][0].shape[2], dtype=torch.bool, device=tokens.device)
+    log_probs, new = model.step(tokens, positions, row_sentence, past_pad, enc, cache)
+    return log_probs, [(torch.cat([k, new[2 * i]], 2), torch.cat([v, new[2 * i + 1]], 2))
+                       for i, (k, v) in enumerate(cache)]
+
+
+def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_slot (R,), group_rows (B, W)) for rows in any order: row r is slot w of its sentence's
+    group (its w-th row), row_slot[r] = sentence * W + w, group_rows[b, w] = that row, or R where
+    sentence b has fewer than W rows. Rows of sentence -1 join no group (row_slot 0)."""
+    rows = row_sentence.shape[0]
+    live = (row_sentence >= 0).nonzero()[:, 0]
+    sentence = row_sentence.index_select(0, live)
+    counts = torch.bincount(sentence, minlength=n_sentences)
+    width = max(1, int(counts.max())) if len(live) else 1
+    order = torch.sort(sentence, stable=True).indices
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.empty_like(sentence)
+    within[order] = torch.arange(len(live), device=sentence.device) - first[sentence[order]]
+    row_slot = torch.zeros(rows, dtype=torch.long, device=sentence.device)
+    row_slot[live] = sentence * width + within
+    group_rows = torch.full((n_sentences * width,), rows, dtype=torch.long, device=sentence.device)
+    group_rows[sentence * width + within] = live
+    return row_slot, group_rows.view(n_sentences, width)
