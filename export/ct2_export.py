@@ -15,7 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from ctranslate2.specs import transformer_spec as ct2
+from torch import nn
 
 from training.config import ModelConfig
 from training.data import UNK
@@ -57,36 +59,37 @@ def check_ct2_compatible(cfg: ModelConfig) -> None:
 
 
 class _Weights:
-    """The state dict as float32 numpy arrays; remembers what was taken so leftovers are errors."""
+    """The model's parameters as float32 numpy arrays, taken by module (no weight is named here:
+    the model's own modules say which tensors they hold); what no spec field took is an error."""
 
     def __init__(self, model: Seq2Seq):
-        self.arrays = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+        self.names = {id(p): n for n, p in model.named_parameters()}
         self.taken: set[str] = set()
 
-    def __call__(self, *names: str) -> np.ndarray:
-        self.taken.update(names)
-        return np.ascontiguousarray(np.concatenate([self.arrays[n] for n in names]))
+    def __call__(self, *tensors: torch.Tensor) -> np.ndarray:
+        self.taken.update(self.names[id(t)] for t in tensors)
+        return np.ascontiguousarray(np.concatenate([t.detach().float().cpu().numpy() for t in tensors]))
 
     def check_all_taken(self) -> None:
-        left = sorted(set(self.arrays) - self.taken)
+        left = sorted(set(self.names.values()) - self.taken)
         if left:
             raise Ct2ExportError(f"the CT2 spec has no place for {left}")
 
 
-def _linear(spec, w: _Weights, *prefixes: str) -> None:
+def _linear(spec, w: _Weights, *linears: nn.Linear) -> None:
     """Several of our Linears as one CT2 linear (rows stacked: fused Q|K|V or K|V)."""
-    spec.weight = w(*(f"{p}.weight" for p in prefixes))
-    spec.bias = w(*(f"{p}.bias" for p in prefixes))
+    spec.weight = w(*(m.weight for m in linears))
+    spec.bias = w(*(m.bias for m in linears))
 
 
-def _layer_norm(spec, w: _Weights, prefix: str) -> None:
-    spec.gamma, spec.beta = w(f"{prefix}.weight"), w(f"{prefix}.bias")
+def _layer_norm(spec, w: _Weights, norm: nn.LayerNorm) -> None:
+    spec.gamma, spec.beta = w(norm.weight), w(norm.bias)
 
 
-def _ffn(spec, w: _Weights, prefix: str, norm: str) -> None:
-    _linear(spec.linear_0, w, f"{prefix}.ffn.w1")
-    _linear(spec.linear_1, w, f"{prefix}.ffn.w2")
-    _layer_norm(spec.layer_norm, w, f"{prefix}.{norm}.norm")
+def _ffn(spec, w: _Weights, layer) -> None:
+    _linear(spec.linear_0, w, layer.ffn.w1)
+    _linear(spec.linear_1, w, layer.ffn.w2)
+    _layer_norm(spec.layer_norm, w, layer.res_ffn.norm)
 
 
 def transformer_spec(model: Seq2Seq, pieces: list[str]) -> ct2.TransformerSpec:
@@ -99,35 +102,35 @@ def transformer_spec(model: Seq2Seq, pieces: list[str]) -> ct2.TransformerSpec:
     decoder = ct2.TransformerDecoderSpec(cfg.dec_layers, cfg.n_heads, pre_norm=cfg.pre_norm)
     spec = ct2.TransformerSpec(encoder, decoder)
     w = _Weights(model)
-    embedding = w("embed.weight")  # tied: source, target and output projection
+    embedding = w(model.embed.weight)  # tied: source, target and output projection
     positions = model.positions.numpy().astype(np.float32)  # our table, mvPE's k included
 
     encoder.embeddings[0].weight = embedding
     encoder.position_encodings.encodings = positions
-    for i, layer in enumerate(encoder.layer):
-        p = f"encoder.layers.{i}"
-        _linear(layer.self_attention.linear[0], w, f"{p}.self_attn.q", f"{p}.self_attn.k", f"{p}.self_attn.v")
-        _linear(layer.self_attention.linear[1], w, f"{p}.self_attn.o")
-        _layer_norm(layer.self_attention.layer_norm, w, f"{p}.res_attn.norm")
-        _ffn(layer.ffn, w, p, "res_ffn")
+    for ours, layer in zip(model.encoder.layers, encoder.layer):
+        a = ours.self_attn
+        _linear(layer.self_attention.linear[0], w, a.q, a.k, a.v)
+        _linear(layer.self_attention.linear[1], w, a.o)
+        _layer_norm(layer.self_attention.layer_norm, w, ours.res_attn.norm)
+        _ffn(layer.ffn, w, ours)
     if cfg.pre_norm:
-        _layer_norm(encoder.layer_norm, w, "encoder.norm")
+        _layer_norm(encoder.layer_norm, w, model.encoder.norm)
 
     decoder.embeddings.weight = embedding
     decoder.position_encodings.encodings = positions
     decoder.projection.weight = embedding
-    for i, layer in enumerate(decoder.layer):
-        p = f"decoder.{i}"
-        _linear(layer.self_attention.linear[0], w, f"{p}.self_attn.q", f"{p}.self_attn.k", f"{p}.self_attn.v")
-        _linear(layer.self_attention.linear[1], w, f"{p}.self_attn.o")
-        _layer_norm(layer.self_attention.layer_norm, w, f"{p}.res_self.norm")
-        _linear(layer.attention.linear[0], w, f"{p}.cross_attn.q")
-        _linear(layer.attention.linear[1], w, f"{p}.cross_attn.k", f"{p}.cross_attn.v")
-        _linear(layer.attention.linear[2], w, f"{p}.cross_attn.o")
-        _layer_norm(layer.attention.layer_norm, w, f"{p}.res_cross.norm")
-        _ffn(layer.ffn, w, p, "res_ffn")
+    for ours, layer in zip(model.decoder, decoder.layer):
+        a, c = ours.self_attn, ours.cross_attn
+        _linear(layer.self_attention.linear[0], w, a.q, a.k, a.v)
+        _linear(layer.self_attention.linear[1], w, a.o)
+        _layer_norm(layer.self_attention.layer_norm, w, ours.res_self.norm)
+        _linear(layer.attention.linear[0], w, c.q)
+        _linear(layer.attention.linear[1], w, c.k, c.v)
+        _linear(layer.attention.linear[2], w, c.o)
+        _layer_norm(layer.attention.layer_norm, w, ours.res_cross.norm)
+        _ffn(layer.ffn, w, ours)
     if cfg.pre_norm:
-        _layer_norm(decoder.layer_norm, w, "dec_norm")
+        _layer_norm(decoder.layer_norm, w, model.dec_norm)
     w.check_all_taken()
 
     config = spec.config
