@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 from ctranslate2.specs import transformer_spec as ct2
 
-from training.config import ModelConfig
 from training.data import UNK
-from training.model import Seq2Seq
+from training.seq2seq.config import ModelConfig
+from training.seq2seq.model import Seq2Seq
 
 WEIGHT_QUANTIZATION = {"int8": "int8"}  # our --quantize name -> CT2's weight quantization
 VOCABULARY = "shared_vocabulary.json"

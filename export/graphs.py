@@ -28,8 +28,8 @@ from torch import nn
 
 from kernels.context_gate import gated_output
 from kernels.cross_attention import grouped_cross_attention as grouped_cross_attention_kernel
-from training.layers import DecoderLayer
-from training.model import EncoderState, Seq2Seq
+from training.seq2seq.layers import DecoderLayer
+from training.seq2seq.model import EncoderState, Seq2Seq
 
 from .spec import cross_names, decoder_spec, encoder_spec, past_names
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.config import ModelConfig
+from training.seq2seq.config import ModelConfig
 
 OPSET = 17  # LayerNormalization is a native op from 17 on
 

@@ -19,7 +19,7 @@ import torch
 
 from export.graphs import DecoderGraph, decoder_inputs
 from export.onnx_runtime import OnnxModel
-from training.model import EncoderState, Seq2Seq
+from training.seq2seq.model import EncoderState, Seq2Seq
 
 BACKENDS = ("onnx", "torch", "ct2")
 

@@ -23,9 +23,9 @@ from typing import Callable
 from export.manifest import MANIFEST, TASKS, read_manifest, sha256
 from export.repository import RepositoryError, check_checkpoint, write_repository
 from export.spec import export_digest
-from training.checkpoint import WEIGHTS, load_checkpoint
-from training.config import Checkpoint, ModelConfig
 from training.data import INPUT_STYLES, input_style, load_sentencepiece
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.config import Checkpoint, ModelConfig
 
 log = logging.getLogger("server.models")
 

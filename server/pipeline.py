@@ -18,10 +18,10 @@ from export.ct2_runtime import Ct2Translator
 from export.manifest import read_manifest
 from export.quality import TARGETS
 from .engine.encoder_cache import EncoderCache
-from training.checkpoint import load_checkpoint
-from training.beam import Hypothesis
-from training.config import Checkpoint
 from training.data import EOS, normalize_input
+from training.seq2seq.beam import Hypothesis
+from training.seq2seq.checkpoint import load_checkpoint
+from training.seq2seq.config import Checkpoint
 
 from .backends import OnnxBackend, TorchBackend
 from .ct2_engine import Ct2Engine

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from training import train, translate
-from training.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from training.data import load_examples
 from training.decode import corpus_translate
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from training.ship import reproduction
 
 pytestmark = pytest.mark.slow  # it trains models

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from .data import align_tags, encode_source, source_batches
-from .model import Seq2Seq
-from .search import beam_search, greedy
+from .seq2seq.model import Seq2Seq
+from .seq2seq.search import beam_search, greedy
 
 
 @torch.no_grad()

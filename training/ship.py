@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Checkpoint
 from .data import INPUT_STYLES, input_style, load_examples
 from .decode import corpus_translate
 from .metrics import bleu, chrf, rouge
+from .seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from .seq2seq.config import Checkpoint
 from .train import parse_args
 
 EVAL_SPLITS = {"multi30k": ("val", "test_2016_flickr", "test_2017_flickr"), "gigaword": ("valid",),

@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from . import checkpoint as ck
-from .config import PRESETS, Checkpoint, DataConfig, ModelConfig
 from .data import (PAD, TokenBatcher, align_tags, encode_source, encode_target, length_filter, load_examples,
                    load_sentencepiece, train_sentencepiece)
 from .decode import corpus_translate
 from .distributed import Processes, start
 from .metrics import bleu, rouge
-from .model import Seq2Seq
-from .positions import choose_mvpe_k
+from .seq2seq import checkpoint as ck
+from .seq2seq.config import PRESETS, Checkpoint, DataConfig, ModelConfig
+from .seq2seq.model import Seq2Seq
+from .seq2seq.positions import choose_mvpe_k
 
 VALID_SPLIT = {"multi30k": "val", "gigaword": "valid", "aeslc": "dev"}
 

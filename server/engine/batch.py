@@ -41,8 +41,8 @@ from typing import NamedTuple
 
 import torch
 
-from training.beam import NEG_INF, Hypothesis, candidates, select
-from training.model import EncoderState
+from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, select
+from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
 from .topk import row_topk
