@@ -28,7 +28,7 @@ from server.models import load_entry
 from server.markup import markup_of
 from server.pipeline import build_pipeline
 from bench import add_publish, results_dir
-from training.data import load_examples
+from training.corpora import load_examples
 from training.metrics import bleu
 
 

@@ -46,10 +46,11 @@ from server.engine.engine import Engine, Replicas
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
-from training.data import PROJECT_ROOT, encode_source, load_examples, pad
+from training.corpora import PROJECT_ROOT, load_examples
 from training.metrics import bleu
 from training.seq2seq import search
 from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.inputs import encode_source, pad
 
 REFERENCE, BASELINE = "pytorch", "ct2-int8"
 TARGETS = {"best_engine_vs_ct2_int8": 1.0, "gret_vs_vanilla": 0.9, "best_engine_vs_pytorch": 10.0}

@@ -80,7 +80,7 @@ class Ct2Translator:
                   max_len_a: float = 1.5, max_len_b: int = 10, max_length: int | None = None,
                   min_length: int = 0, n_best: int = 1, no_repeat_ngram_size: int = 0,
                   return_scores: bool = True, max_batch_size: int = 0) -> list[list[Translation]]:
-        """sources: token ids as the model reads them (training.data.encode_source: pieces + EOS,
+        """sources: token ids as the model reads them (training.seq2seq.inputs.encode_source: pieces + EOS,
         no padding). Returns, per source, its n_best translations, best first. Output lengths
         count EOS: at most max_length (or a * src_len + b) tokens, at least min_length before EOS.
         max_batch_size > 0 cuts the call into sub-batches, which CTranslate2's replicas decode in

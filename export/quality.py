@@ -29,10 +29,11 @@ import ctranslate2
 import onnxruntime
 import torch
 
-from training.data import PROJECT_ROOT, encode_source, load_examples, pad
+from training.corpora import PROJECT_ROOT, load_examples
 from training.metrics import bleu, chrf
 from training.seq2seq import search
 from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.inputs import encode_source, pad
 
 from .ct2_runtime import Ct2Translator, max_lengths
 from .manifest import read_manifest, sha256

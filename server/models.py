@@ -23,9 +23,9 @@ from typing import Callable
 from export.manifest import MANIFEST, TASKS, read_manifest, sha256
 from export.repository import RepositoryError, check_checkpoint, write_repository
 from export.spec import export_digest
-from training.data import INPUT_STYLES, input_style, load_sentencepiece
 from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
 from training.seq2seq.config import Checkpoint, ModelConfig
+from training.seq2seq.inputs import INPUT_STYLES, input_style, load_sentencepiece
 
 log = logging.getLogger("server.models")
 
@@ -51,7 +51,7 @@ class ModelEntry:
     repository: Path | None  # None for the torch backend on a checkpoint
     checkpoint: Path | None
     metrics: dict = field(default_factory=dict)
-    input_style: str | None = None  # training.data.normalize_input's style for plain text, if any
+    input_style: str | None = None  # training.seq2seq.inputs.normalize_input's style for plain text, if any
 
 
 def cache_root() -> Path:

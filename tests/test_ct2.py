@@ -18,10 +18,12 @@ from export.ct2_runtime import Ct2Translator
 from export.manifest import MANIFEST, read_manifest, sha256
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from training import train
-from training.data import encode_source, load_examples, pad, train_sentencepiece
+from training.corpora import load_examples
+from training.data import train_sentencepiece
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from training.seq2seq.config import Checkpoint, DataConfig
+from training.seq2seq.inputs import encode_source, pad
 from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)

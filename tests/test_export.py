@@ -18,10 +18,12 @@ from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
-from training.data import encode_source, load_examples, pad, train_sentencepiece
+from training.corpora import load_examples
+from training.data import train_sentencepiece
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from training.seq2seq.config import Checkpoint, DataConfig
+from training.seq2seq.inputs import encode_source, pad
 from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)

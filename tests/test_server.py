@@ -19,9 +19,10 @@ from proto import gret_serve_pb2 as pb
 from server.client import Client
 from server.reflect import main as reflect_main
 from tests.served import RunningServer, config_for, free_port
-from training.data import encode_source, load_examples
+from training.corpora import load_examples
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint
+from training.seq2seq.inputs import encode_source
 
 torch.set_num_threads(1)
 CODE = grpc.StatusCode

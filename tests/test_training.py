@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from training import train, translate
-from training.data import load_examples
+from training.corpora import load_examples
 from training.decode import corpus_translate
 from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from training.ship import reproduction

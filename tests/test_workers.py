@@ -25,7 +25,7 @@ from server.engine.sequence import CANCELLED, DEADLINE, OK
 from server.models import VERIFY_FILE, from_repository, load_entry
 from server.pipeline import build_pipeline, resolve_precision
 from tests.served import RunningServer, config_for
-from training.data import load_examples
+from training.corpora import load_examples
 
 CODE = grpc.StatusCode
 MODEL = "tiny-en-de"

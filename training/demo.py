@@ -7,7 +7,7 @@ import sys
 import torch
 
 from . import train
-from .data import PROJECT_ROOT, load_examples
+from .corpora import PROJECT_ROOT, load_examples
 from .decode import corpus_translate
 from .seq2seq.checkpoint import load_checkpoint
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .data import PROJECT_ROOT, load_examples
+from .corpora import PROJECT_ROOT, load_examples
 from .decode import corpus_translate
 from .metrics import bleu, chrf, paired_bootstrap, rouge
 from .seq2seq.checkpoint import load_checkpoint

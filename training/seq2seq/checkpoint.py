@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..data import load_sentencepiece
 from .config import Checkpoint
+from .inputs import load_sentencepiece
 from .model import Seq2Seq
 
 WEIGHTS = "model.safetensors"
