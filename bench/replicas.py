@@ -21,12 +21,12 @@ import psutil
 import torch
 
 from server.backends import OnnxBackend
+from server.catalog import from_repository
 from server.engine.engine import Engine, Replicas
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.workers import WorkerReplicas, WorkerSpec
-from server.models import from_repository
 from training.corpora import load_examples
 from training.seq2seq.inputs import encode_source
 

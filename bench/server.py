@@ -271,7 +271,7 @@ class OfflineEngine:
     def __init__(self, args):
         import torch
 
-        from server.models import load_entry
+        from server.catalog import load_entry
         from server.pipeline import build_pipeline
 
         torch.set_num_threads(args.threads)

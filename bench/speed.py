@@ -113,7 +113,7 @@ class EngineOffline:
     (thread-seconds summed over the loops), which says where the server's time goes."""
 
     def __init__(self, args):
-        from server.models import load_entry
+        from server.catalog import load_entry
         from server.pipeline import build_pipeline
 
         config = ServerConfig()

@@ -17,9 +17,9 @@ import json
 import random
 from pathlib import Path
 
+from server.catalog import load_entry
 from server.engine.options import DecodingOptions, Limits
 from server.engine.sequence import Sequence
-from server.models import load_entry
 from server.pipeline import build_pipeline
 from server.unknowns import protect
 from bench import add_publish, results_dir

@@ -24,6 +24,7 @@ from training.seq2seq.config import Checkpoint
 from training.seq2seq.inputs import EOS, normalize_input
 
 from .backends import OnnxBackend, TorchBackend
+from .catalog import VERIFY_FILE, ModelEntry, ModelError, from_repository
 from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
 from .documents import Layout, segment, whole
@@ -35,7 +36,6 @@ from .engine.result_cache import ResultCache
 from .engine.scheduler import Scheduler
 from .engine.sequence import OK, Sequence
 from .engine.workers import WorkerReplicas, WorkerSpec
-from .models import VERIFY_FILE, ModelEntry, ModelError, from_repository
 
 log = logging.getLogger("server.pipeline")
 VERIFY_TOLERANCE = 0.5  # BLEU/ROUGE points: fp16 checkpoint -> fp32 graphs moves scores a little

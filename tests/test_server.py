@@ -249,7 +249,7 @@ def test_the_ct2_backend_serves_a_vanilla_model_with_the_same_outputs(models, cl
 
 
 def test_the_ct2_backend_refuses_a_gret_model_at_start_and_says_why(models, tmp_path):
-    from server.models import ModelError
+    from server.catalog import ModelError
     from server.registry import Registry
 
     checkpoints = models.parent / "runs"  # de-en: the GRET checkpoint behind tiny-de-en

@@ -167,8 +167,8 @@ def test_every_architecture_trains_translates_and_serves_from_onnx(name, tmp_pat
     """Trained here, the checkpoint translates; exported to ONNX, the server's engine gives the
     same translations."""
     from export.__main__ import main as export_main
+    from server.catalog import from_repository
     from server.engine.options import DecodingOptions
-    from server.models import from_repository
     from server.pipeline import build_pipeline
 
     log = run_train(tmp_path, *ARCHITECTURE_FLAGS[name], "--max-steps", "60", "--eval-every", "60")

@@ -1,4 +1,6 @@
-"""The models a server loads: model repositories, or shipped checkpoints turned into one.
+"""The catalog of what a server can serve: the model folders it finds (discover) and the entry each
+becomes (ModelEntry: load_entry, from_repository); model repositories, or shipped checkpoints
+turned into one.
 
 Each folder under the models directory is either
   - a model repository (model.json + spm.model + the backend's files; `python -m export`), or
@@ -27,7 +29,7 @@ from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
 from training.seq2seq.config import Checkpoint, ModelConfig
 from training.seq2seq.inputs import INPUT_STYLES, input_style, load_sentencepiece
 
-log = logging.getLogger("server.models")
+log = logging.getLogger("server.catalog")
 
 VERIFY_FILE = "verified.json"
 
