@@ -70,7 +70,7 @@ RUN mkdir -p /app/models "$GRET_SERVE_CACHE" \
 WORKDIR /app
 # Fail the build, not the first request, when an import is broken; then byte-compile the app so a
 # read-only root filesystem costs nothing at start-up.
-RUN /opt/venv/bin/python -c "import torch, onnxruntime, ctranslate2, grpc, training.model, export, kernels, server" \
+RUN /opt/venv/bin/python -c "import torch, onnxruntime, ctranslate2, grpc, training.seq2seq.model, export, kernels, server" \
  && /opt/venv/bin/python -m compileall -q /app
 RUN --mount=type=bind,from=data,target=/shared-data \
     if [[ "$PREPARE_MODELS" == 1 ]]; then \

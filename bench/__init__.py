@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from training.data import PROJECT_ROOT
+from training.corpora import PROJECT_ROOT
 
 
 def add_publish(parser: argparse.ArgumentParser) -> None:

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from bench.segmenters import documents
 from bench.unknowns import FOREIGN, with_word
+from server.catalog import load_entry
 from server.engine.options import Limits
-from server.models import load_entry
 from server.markup import markup_of
 from server.pipeline import build_pipeline
 from bench import add_publish, results_dir
-from training.data import load_examples
+from training.corpora import load_examples
 from training.metrics import bleu
 
 

@@ -2,7 +2,7 @@
 
 Offline decoding speed, side by side in one run: a test split, beam 4, batches of 32 sentences
 (length-sorted), the same token ids into every system:
-  pytorch          training.search.beam_search on the checkpoint (eager PyTorch, the reference)
+  pytorch          training.seq2seq.search.beam_search on the checkpoint (eager PyTorch, the reference)
   engine-torch     our continuous-batching engine on the PyTorch backend
   engine-onnx-fp32 / engine-onnx-int8   our engine on ONNX Runtime (the server's default backend),
                                         one engine loop with --threads intra-op threads
@@ -46,10 +46,11 @@ from server.engine.engine import Engine, Replicas
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
-from training import search
-from training.checkpoint import WEIGHTS, load_checkpoint
-from training.data import PROJECT_ROOT, encode_source, load_examples, pad
+from training.corpora import PROJECT_ROOT, load_examples
 from training.metrics import bleu
+from training.seq2seq import search
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.inputs import encode_source, pad
 
 REFERENCE, BASELINE = "pytorch", "ct2-int8"
 TARGETS = {"best_engine_vs_ct2_int8": 1.0, "gret_vs_vanilla": 0.9, "best_engine_vs_pytorch": 10.0}

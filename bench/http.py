@@ -29,7 +29,7 @@ from bench import add_publish, results_dir
 from bench.server import FULL, GREEDY, QUICK, ServerProcess, closed_loop, free_port, prepare, server_env, server_flags
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
-from training.data import PROJECT_ROOT, load_examples
+from training.corpora import PROJECT_ROOT, load_examples
 
 TARGET = 0.9
 WORKLOADS = {"beam4": {"beam_size": 4}, "greedy": GREEDY}

@@ -21,13 +21,14 @@ import psutil
 import torch
 
 from server.backends import OnnxBackend
+from server.catalog import from_repository
 from server.engine.engine import Engine, Replicas
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.workers import WorkerReplicas, WorkerSpec
-from server.models import from_repository
-from training.data import encode_source, load_examples
+from training.corpora import load_examples
+from training.seq2seq.inputs import encode_source
 
 UNBOUNDED = dict(max_batch_tokens=16384, max_waiting=1 << 20)  # the server's budget, no queue bound
 

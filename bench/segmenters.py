@@ -16,7 +16,7 @@ import random
 import time
 
 from bench import add_publish, results_dir
-from training.data import load_examples
+from training.corpora import load_examples
 
 LANGUAGES = ("de", "en", "fr")
 

@@ -52,7 +52,7 @@ from bench import add_publish, results_dir
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.client import Client
-from training.data import PROJECT_ROOT, load_examples
+from training.corpora import PROJECT_ROOT, load_examples
 
 POLICIES = ("continuous", "request", "none")
 CACHE_SERVER = "cache"  # the fourth server: continuous batching with the encoder cache on
@@ -271,7 +271,7 @@ class OfflineEngine:
     def __init__(self, args):
         import torch
 
-        from server.models import load_entry
+        from server.catalog import load_entry
         from server.pipeline import build_pipeline
 
         torch.set_num_threads(args.threads)

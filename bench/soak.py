@@ -36,7 +36,7 @@ import numpy as np
 from bench import add_publish, pages_dir, results_dir
 from bench.server import Call, ServerProcess, call, git_commit, server_env
 from proto import gret_serve_pb2_grpc as pb_grpc
-from training.data import PROJECT_ROOT, load_examples
+from training.corpora import PROJECT_ROOT, load_examples
 
 OPTIONS = {"beam_size": 4}
 MEMORY_GROWTH, P50_SPREAD, P99_SPREAD = 0.05, 1.5, 2.0  # the pass criteria (see above)

@@ -44,8 +44,9 @@ from proto import gret_serve_pb2_grpc as pb_grpc
 from server.config import ServerConfig
 from server.engine.options import DecodingOptions
 from server.engine.workers import WorkerReplicas
-from training.checkpoint import load_checkpoint
-from training.data import PROJECT_ROOT, encode_source, load_examples
+from training.corpora import PROJECT_ROOT, load_examples
+from training.seq2seq.checkpoint import load_checkpoint
+from training.seq2seq.inputs import encode_source
 
 BEAM, CALLERS, CT2_BATCH = 4, 64, 32
 SWEEP = (1, 4, 16, 64, 256)
@@ -112,7 +113,7 @@ class EngineOffline:
     (thread-seconds summed over the loops), which says where the server's time goes."""
 
     def __init__(self, args):
-        from server.models import load_entry
+        from server.catalog import load_entry
         from server.pipeline import build_pipeline
 
         config = ServerConfig()

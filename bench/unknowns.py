@@ -17,14 +17,15 @@ import json
 import random
 from pathlib import Path
 
+from server.catalog import load_entry
 from server.engine.options import DecodingOptions, Limits
 from server.engine.sequence import Sequence
-from server.models import load_entry
 from server.pipeline import build_pipeline
 from server.unknowns import protect
 from bench import add_publish, results_dir
-from training.data import EOS, load_examples
+from training.corpora import load_examples
 from training.metrics import bleu
+from training.seq2seq.inputs import EOS
 
 CANDIDATES = ["X", "#", "@", "1"]
 SPECIAL = ["Der Preis ist 5€ 😀 日本.", "Ein Mann trinkt Kaffee im Café „Zur Krone“ in Łódź.",

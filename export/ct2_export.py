@@ -19,9 +19,9 @@ import torch
 from ctranslate2.specs import transformer_spec as ct2
 from torch import nn
 
-from training.config import ModelConfig
-from training.data import UNK
-from training.model import Seq2Seq
+from training.seq2seq.config import ModelConfig
+from training.seq2seq.inputs import UNK
+from training.seq2seq.model import Seq2Seq
 
 WEIGHT_QUANTIZATION = {"int8": "int8"}  # our --quantize name -> CT2's weight quantization
 VOCABULARY = "shared_vocabulary.json"
@@ -138,7 +138,7 @@ def transformer_spec(model: Seq2Seq, pieces: list[str]) -> ct2.TransformerSpec:
     config.unk_token = pieces[UNK]
     config.bos_token = config.decoder_start_token = pieces[cfg.bos_id]
     config.eos_token = pieces[cfg.eos_id]
-    # The source already ends with EOS (training.data.encode_source); CT2 must add nothing.
+    # The source already ends with EOS (training.seq2seq.inputs.encode_source); CT2 must add nothing.
     config.add_source_bos = config.add_source_eos = False
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)

@@ -1,7 +1,7 @@
 """CTranslate2 backend: a ct2 model repository behind one call that translates a batch of source
 token-id lists with CT2's own beam search (the server hands it whole requests).
 
-The options are mapped so that CT2 searches exactly as training.search.beam_search does, and fp32
+The options are mapped so that CT2 searches exactly as training.seq2seq.search.beam_search does, and fp32
 outputs match the PyTorch reference token for token (tests/test_ct2.py):
   - both keep the 2*beam best candidates per step; those ranked inside the beam that end in EOS
     finish, the best non-EOS candidates refill the beam; a sentence is done when `beam`
@@ -29,15 +29,15 @@ from typing import NamedTuple
 
 import ctranslate2
 
-from training.beam import output_limit
-from training.config import ModelConfig
+from training.seq2seq.beam import output_limit
+from training.seq2seq.config import ModelConfig
 
 from .ct2_export import VOCABULARY
 from .manifest import read_manifest
 
 
 def max_lengths(cfg: ModelConfig, src_lengths: list[int], a: float, b: int, absolute: int | None = None) -> list[int]:
-    """Output limit per sentence (EOS counted), training.beam.output_limit as training.search uses
+    """Output limit per sentence (EOS counted), training.seq2seq.beam.output_limit as training.seq2seq.search uses
     it: a * src_len + b, at most max_positions - 1 (the position table's size); or `absolute`
     (at most the same) for all."""
     cap = cfg.max_positions - 1
@@ -80,7 +80,7 @@ class Ct2Translator:
                   max_len_a: float = 1.5, max_len_b: int = 10, max_length: int | None = None,
                   min_length: int = 0, n_best: int = 1, no_repeat_ngram_size: int = 0,
                   return_scores: bool = True, max_batch_size: int = 0) -> list[list[Translation]]:
-        """sources: token ids as the model reads them (training.data.encode_source: pieces + EOS,
+        """sources: token ids as the model reads them (training.seq2seq.inputs.encode_source: pieces + EOS,
         no padding). Returns, per source, its n_best translations, best first. Output lengths
         count EOS: at most max_length (or a * src_len + b) tokens, at least min_length before EOS.
         max_batch_size > 0 cuts the call into sub-batches, which CTranslate2's replicas decode in

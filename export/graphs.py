@@ -3,7 +3,7 @@ tensor inputs and outputs in the order of export/spec.py.
 
 The encoder pass calls the model's own modules one by one rather than Seq2Seq.encode, which
 dispatches to fused kernels whose eager code is not written for tracing; the decoder step is the
-model's own Seq2Seq.step_rows (training/model.py explains its row layout: rows at their own
+model's own Seq2Seq.step_rows (training/seq2seq/model.py explains its row layout: rows at their own
 positions, grouped by sentence, each with its own cache). The parity tests in tests/test_export.py
 hold the ONNX graphs to the model.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from training.model import EncoderState, Seq2Seq, row_groups
+from training.seq2seq.model import EncoderState, Seq2Seq, row_groups
 
 from .spec import cross_names, decoder_spec, encoder_spec, past_names
 

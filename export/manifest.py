@@ -12,8 +12,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from training.config import Checkpoint, ModelConfig
-from training.data import input_style
+from training.seq2seq.config import Checkpoint, ModelConfig
+from training.seq2seq.inputs import input_style
 
 from .spec import OPSET, GraphSpec
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from training.model import Seq2Seq
+from training.seq2seq.model import Seq2Seq
 
 from .graphs import DecoderGraph, EncoderGraph, decoder_inputs, flatten_state, unflatten_state
 from .spec import OPSET, GraphSpec, decoder_spec, model_specs, unclaimed_weights

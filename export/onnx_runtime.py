@@ -1,5 +1,5 @@
 """ONNX Runtime backend: a model repository's encoder/decoder graphs behind the interface of
-training.model.Seq2Seq (encode, decode_step, cfg) plus reorder, so training.search's greedy and
+training.seq2seq.model.Seq2Seq (encode, decode_step, cfg) plus reorder, so training.seq2seq.search's greedy and
 beam search run on it unchanged.
 
 Tensors cross into ONNX Runtime as torch tensors bound by pointer (IO binding), outputs are
@@ -14,9 +14,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from training import search
-from training.config import ModelConfig
-from training.model import EncoderState, grown_step
+from training.seq2seq import search
+from training.seq2seq.config import ModelConfig
+from training.seq2seq.model import EncoderState, grown_step
 
 from .graphs import decoder_inputs, unflatten_state
 from .manifest import read_manifest
@@ -109,7 +109,7 @@ class OnnxModel:
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list | None, beam: int = 1,
                     row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
-        """As Seq2Seq.decode_step (training.model.grown_step over this backend's step)."""
+        """As Seq2Seq.decode_step (training.seq2seq.model.grown_step over this backend's step)."""
         return grown_step(self, tokens, step, enc, cache, beam, row_sentence)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
@@ -131,11 +131,11 @@ class OnnxModel:
 
 
 def greedy(model: OnnxModel, src: torch.Tensor, src_tags: torch.Tensor | None = None, **options) -> list[list[int]]:
-    """training.search.greedy, which needs only encode / decode_step / cfg: the same code path."""
+    """training.seq2seq.search.greedy, which needs only encode / decode_step / cfg: the same code path."""
     return search.greedy(model, src, src_tags, **options)
 
 
 def beam_search(model: OnnxModel, src: torch.Tensor, src_tags: torch.Tensor | None = None,
                 **options) -> list[list[search.Hypothesis]]:
-    """training.search.beam_search on the ONNX graphs (same options, same outputs)."""
+    """training.seq2seq.search.beam_search on the ONNX graphs (same options, same outputs)."""
     return search.beam_search(model, src, src_tags, **options)

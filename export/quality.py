@@ -29,10 +29,11 @@ import ctranslate2
 import onnxruntime
 import torch
 
-from training import search
-from training.checkpoint import WEIGHTS, load_checkpoint
-from training.data import PROJECT_ROOT, encode_source, load_examples, pad
+from training.corpora import PROJECT_ROOT, load_examples
 from training.metrics import bleu, chrf
+from training.seq2seq import search
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.inputs import encode_source, pad
 
 from .ct2_runtime import Ct2Translator, max_lengths
 from .manifest import read_manifest, sha256
@@ -232,7 +233,7 @@ def render(report: dict) -> str:
     lines += [
         "", "How to read it:", "",
         ("- *identical to PyTorch*: the share of sentences whose top-1 output is token-identical to "
-         "`training.search.beam_search` on the checkpoint (fp32 PyTorch)."),
+         "`training.seq2seq.search.beam_search` on the checkpoint (fp32 PyTorch)."),
         ("- ONNX int8: ONNX Runtime dynamic quantization of the MatMul weights (`encoder.int8.onnx`, "
          "`decoder.int8.onnx`). CT2 int8: `--format ct2 --quantize int8` writes a second model folder, "
          "`ct2.int8/`, whose weights CTranslate2's converter stored as int8 (one scale per output row); "

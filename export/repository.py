@@ -21,8 +21,8 @@ import onnxruntime
 import torch
 from safetensors import safe_open
 
-from training.checkpoint import SPM, WEIGHTS, load_checkpoint
-from training.config import Checkpoint
+from training.seq2seq.checkpoint import SPM, WEIGHTS, load_checkpoint
+from training.seq2seq.config import Checkpoint
 
 from .ct2_export import check_ct2_compatible, export_ct2
 from .manifest import build_manifest, onnx_section, sha256, write_manifest

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.config import ModelConfig
+from training.seq2seq.config import ModelConfig
 
 OPSET = 17  # LayerNormalization is a native op from 17 on
 
@@ -116,7 +116,7 @@ def export_digest(cfg: ModelConfig) -> str:
     repositories are cached under it, so new code never serves an old export."""
     shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
     digest = hashlib.sha256(json.dumps(shapes).encode())
-    from training import layers, model  # the traced decoder step is the model's own (Seq2Seq.step_rows)
+    from training.seq2seq import layers, model  # the traced decoder step is the model's own (Seq2Seq.step_rows)
 
     sources = [Path(__file__).parent / m for m in ("graphs.py", "onnx_export.py", "quantize.py", "manifest.py")]
     for path in sources + [Path(layers.__file__), Path(model.__file__)]:

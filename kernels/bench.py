@@ -91,11 +91,11 @@ def bench_kernels(device: str, dtype: torch.dtype) -> list[dict]:
 
 def _model(checkpoint: str | None, device: str):
     if checkpoint:
-        from training.checkpoint import load_checkpoint
+        from training.seq2seq.checkpoint import load_checkpoint
         model = load_checkpoint(Path(checkpoint))[0]
     else:  # random weights: timings only, the translations are meaningless
-        from training.config import PRESETS, ModelConfig
-        from training.model import Seq2Seq
+        from training.seq2seq.config import PRESETS, ModelConfig
+        from training.seq2seq.model import Seq2Seq
         torch.manual_seed(0)
         cfg = ModelConfig(**{**PRESETS["small"], "capsule": True, "aggregate": True, "gate": True,
                              "multiview": "gca"}).validate()
@@ -105,7 +105,7 @@ def _model(checkpoint: str | None, device: str):
 
 def bench_cache(device: str, checkpoint: str | None, batch: int, beam: int, reps: int) -> dict:
     """Median end-to-end beam search time of a new request (encoder runs) vs a repeated one (hit)."""
-    from training.search import beam_search
+    from training.seq2seq.search import beam_search
     model = _model(checkpoint, device)
     cfg = model.cfg
     gen = torch.Generator().manual_seed(0)

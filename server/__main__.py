@@ -11,7 +11,7 @@ import torch
 
 from . import config as server_config
 from . import logs
-from .models import ModelError
+from .catalog import ModelError
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,7 @@
 
 ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
 modules, eager; on CUDA the Triton kernels through kernels.dispatch). Their step is the same
-function, training.model.Seq2Seq.step, traced for one and called for the other.
+function, training.seq2seq.model.Seq2Seq.step, traced for one and called for the other.
 CTranslate2 batches whole requests itself and is served by server/ct2_engine.py.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from export.onnx_runtime import OnnxModel
-from training.model import EncoderState, Seq2Seq
+from training.seq2seq.model import EncoderState, Seq2Seq
 
 BACKENDS = ("onnx", "torch", "ct2")
 

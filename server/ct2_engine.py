@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from training.beam import Hypothesis
+from training.seq2seq.beam import Hypothesis
 
 from .engine.engine import Engine
 

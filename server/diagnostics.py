@@ -15,7 +15,7 @@ import torch
 
 from kernels.context_gate import gate_values
 from kernels.routing import capsule_routing_reference
-from training.model import Seq2Seq
+from training.seq2seq.model import Seq2Seq
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """A served model: texts -> documents of segments (server.documents) -> engine sequences -> texts.
 
-Pipeline checks and tokenises input exactly as training did (training.data.encode_source: pieces
+Pipeline checks and tokenises input exactly as training did (training.seq2seq.inputs.encode_source: pieces
 then EOS; POS tags aligned to pieces for POS models), hands sequences to the model's engine and
 turns finished sequences back into text. It is used by the gRPC service and, driving the engine
 on the calling thread, by offline decoding (build verification, the engine benchmark)."""
@@ -18,12 +18,13 @@ from export.ct2_runtime import Ct2Translator
 from export.manifest import read_manifest
 from export.quality import TARGETS
 from .engine.encoder_cache import EncoderCache
-from training.checkpoint import load_checkpoint
-from training.beam import Hypothesis
-from training.config import Checkpoint
-from training.data import EOS, normalize_input
+from training.seq2seq.beam import Hypothesis
+from training.seq2seq.checkpoint import load_checkpoint
+from training.seq2seq.config import Checkpoint
+from training.seq2seq.inputs import EOS, normalize_input
 
 from .backends import OnnxBackend, TorchBackend
+from .catalog import VERIFY_FILE, ModelEntry, ModelError, from_repository
 from .ct2_engine import Ct2Engine
 from .diagnostics import gret_diagnostics
 from .documents import Layout, segment, whole
@@ -35,7 +36,6 @@ from .engine.result_cache import ResultCache
 from .engine.scheduler import Scheduler
 from .engine.sequence import OK, Sequence
 from .engine.workers import WorkerReplicas, WorkerSpec
-from .models import VERIFY_FILE, ModelEntry, ModelError, from_repository
 
 log = logging.getLogger("server.pipeline")
 VERIFY_TOLERANCE = 0.5  # BLEU/ROUGE points: fp16 checkpoint -> fp32 graphs moves scores a little
@@ -167,8 +167,8 @@ class Pipeline:
         return Sequence(src, options, limit, on_done, tags=tags, deadline=deadline)
 
     def _tags(self, text: str, src: list[int]) -> list[int]:
-        from training.data import align_tags  # POS models only: the taggers load slowly
-        from training.pos_tags import get_tagger, subword_tags
+        from training.seq2seq.inputs import align_tags  # POS models only: the taggers load slowly
+        from training.seq2seq.pos_tags import get_tagger, subword_tags
 
         if self._tagger is None:
             self._tagger = get_tagger(self.entry.source_language)
@@ -271,7 +271,7 @@ def verify_build(checkpoint: Path, repo: Path, threads: int = 2) -> dict:
     training.ship recorded for the checkpoint (metrics.json: first split, beam 4). Its int8 graphs
     are scored too; they are verified (and `--precision auto` serves them) if they lose at most
     export.quality's int8 target against fp32."""
-    from training.data import load_examples  # evaluation-only imports
+    from training.corpora import load_examples  # evaluation-only imports
     from training.metrics import bleu, rouge
 
     recorded_path = Path(checkpoint) / "metrics.json"

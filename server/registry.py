@@ -6,10 +6,10 @@ import logging
 from functools import partial
 from pathlib import Path
 
+from .catalog import ModelError, discover, load_entry
 from .config import ServerConfig
 from .languages import AUTO, detect, normalize
 from .metrics import Metrics
-from .models import ModelError, discover, load_entry
 from .pipeline import Pipeline, build_pipeline, verify_build
 
 log = logging.getLogger("server.registry")

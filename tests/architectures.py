@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from training.config import PRESETS, ModelConfig
+from training.seq2seq.config import PRESETS, ModelConfig
 
 ARCHITECTURES: dict[str, dict] = {
     "vanilla": {},

@@ -17,11 +17,14 @@ from export.ct2_export import unsupported_switches
 from export.ct2_runtime import Ct2Translator
 from export.manifest import MANIFEST, read_manifest, sha256
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
-from training import search, train
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.config import Checkpoint, DataConfig
-from training.data import encode_source, load_examples, pad, train_sentencepiece
-from training.model import Seq2Seq
+from training import train
+from training.corpora import load_examples
+from training.data import train_sentencepiece
+from training.seq2seq import search
+from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from training.seq2seq.config import Checkpoint, DataConfig
+from training.seq2seq.inputs import encode_source, pad
+from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
 CONVERTIBLE = ("vanilla", "post_norm", "mvpe")
@@ -51,7 +54,7 @@ def ct2_hypotheses(ct2_result) -> list[list[list[int]]]:
     return [[t.tokens for t in hyps] for hyps in ct2_result]
 
 
-# ---- models trained on real sentences: fp32 parity with training.search --------------------------
+# ---- models trained on real sentences: fp32 parity with training.seq2seq.search ------------------
 class Trained(NamedTuple):
     models: dict[str, tuple[Seq2Seq, Path]]  # name -> (PyTorch model, its ct2 repository)
     sources: list[list[int]]
@@ -98,7 +101,7 @@ def test_fp32_beam_search_gives_the_pytorch_n_best_and_scores(trained, name):
 @pytest.mark.slow
 def test_per_sentence_length_limits_length_penalty_and_greedy_match_pytorch(trained):
     """Limits a * src_len + b that bind (forced finishes at each sentence's own last step), another
-    length penalty, and beam 1 against training.search.greedy."""
+    length penalty, and beam 1 against training.seq2seq.search.greedy."""
     (model, repo), sources = trained.models["vanilla"], trained.sources
     ct2_model = Ct2Translator(repo)
     options = {"length_penalty": 0.6, "max_len_a": 0.3, "max_len_b": 2}

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from training.data import (BOS, EOS, PAD, RARE_WORD, Example, TokenBatcher, align_tags, encode_source, encode_target,
-                           input_style, length_filter, load_examples, load_sentencepiece, normalize_gigaword,
-                           normalize_input, source_batches, train_sentencepiece)
+from training.corpora import Example, load_examples
+from training.data import RARE_WORD, TokenBatcher, encode_target, length_filter, source_batches, train_sentencepiece
+from training.seq2seq.inputs import (BOS, EOS, PAD, align_tags, encode_source, input_style, load_sentencepiece,
+                                     normalize_gigaword, normalize_input)
 
 
 def test_multi30k_splits_have_their_documented_sizes_in_every_direction():

@@ -17,7 +17,8 @@ from server.languages import normalize
 from server.markup import markup_of, segment_html
 from server.unknowns import Alphabet, protect, restore
 from tests.served import REPO, RunningServer, config_for
-from training.data import load_examples, load_sentencepiece
+from training.corpora import load_examples
+from training.seq2seq.inputs import load_sentencepiece
 
 CODE = grpc.StatusCode
 LAYOUTS = ["Ein Hund läuft. Eine Katze schläft.", "  Zwei Männer.\n\nDrei Frauen!\n", "A.\r\nB?\tC.\n\n\n",

@@ -1,5 +1,5 @@
 """The continuous-batching engine: whatever joins the batch when, with whatever options, each
-text gets exactly what the offline beam search (training.search) gives it alone; cancelled and
+text gets exactly what the offline beam search (training.seq2seq.search) gives it alone; cancelled and
 expired texts leave the batch at the next step; the encoder cache skips repeated sources."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from server.engine.result_cache import ResultCache, result_key
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
 from server.engine.topk import row_topk
 from tests.architectures import perturb, random_batch, tiny_config
-from training import search
-from training.model import Seq2Seq
+from training.seq2seq import search
+from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
 LIMITS = Limits()
@@ -41,7 +41,7 @@ def make_seq(model, src, options=DecodingOptions(), **kw) -> Sequence:
 
 
 def offline(model, src, options: DecodingOptions) -> list[search.Hypothesis]:
-    """training.search.beam_search on this one sentence: the reference answer."""
+    """training.seq2seq.search.beam_search on this one sentence: the reference answer."""
     return search.beam_search(model, torch.tensor([src]), beam=options.beam, length_penalty=options.length_penalty,
                               max_len_a=options.max_len_a, max_len_b=options.max_len_b, n_best=options.n_best)[0]
 

@@ -18,11 +18,13 @@ from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
-from training import search
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.config import Checkpoint, DataConfig
-from training.data import encode_source, load_examples, pad, train_sentencepiece
-from training.model import Seq2Seq
+from training.corpora import load_examples
+from training.data import train_sentencepiece
+from training.seq2seq import search
+from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from training.seq2seq.config import Checkpoint, DataConfig
+from training.seq2seq.inputs import encode_source, pad
+from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
 ALL = sorted(ARCHITECTURES)

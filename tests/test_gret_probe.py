@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from tests.architectures import perturb, random_batch, tiny_config
-from training.data import BOS
 from training.gret_probe import gate_statistics, global_states, replaced_global_state
-from training.model import Seq2Seq
+from training.seq2seq.inputs import BOS
+from training.seq2seq.model import Seq2Seq
 from training.study import gret_probe_lines
 
 

@@ -14,8 +14,8 @@ import kernels
 from kernels import context_gate, cross_attention, routing
 from server.engine.encoder_cache import CachedEncoder, EncoderCache, encode_cached
 from tests.architectures import perturb, random_batch, tiny_config
-from training.model import Seq2Seq
-from training.search import beam_search, greedy
+from training.seq2seq.model import Seq2Seq
+from training.seq2seq.search import beam_search, greedy
 
 torch.set_num_threads(1)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
-from training.gret import capsule_routing, capsule_routing_explicit, masked_mean, squash
-from training.layers import EncoderLayer
-from training.model import Seq2Seq
-from training.multiview import view_index
-from training.positions import choose_mvpe_k, mvpe_objective, sinusoid_table
-from training.search import beam_search, greedy
+from training.seq2seq.gret import capsule_routing, capsule_routing_explicit, masked_mean, squash
+from training.seq2seq.layers import EncoderLayer
+from training.seq2seq.model import Seq2Seq
+from training.seq2seq.multiview import view_index
+from training.seq2seq.positions import choose_mvpe_k, mvpe_objective, sinusoid_table
+from training.seq2seq.search import beam_search, greedy
 
 torch.set_num_threads(1)
 ALL = sorted(ARCHITECTURES)

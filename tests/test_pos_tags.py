@@ -1,18 +1,16 @@
-"""Tests for training/pos_tags.py (UPOS ids per SentencePiece piece)."""
+"""Tests for training/seq2seq/pos_tags.py (UPOS ids per SentencePiece piece)."""
 import gzip
 import io
 import itertools
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import sentencepiece as spm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "training"))
-import pos_tags as pt  # noqa: E402
+from training.seq2seq import pos_tags as pt
 
+ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
 U = pt.UPOS_ID
 

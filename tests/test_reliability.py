@@ -37,7 +37,8 @@ from server.engine.sequence import CANCELLED, DEADLINE
 from server.languages import normalize
 from server.unknowns import Alphabet, protect
 from tests.served import RunningServer, ServerProcess, config_for, free_port
-from training.data import load_examples, normalize_input
+from training.corpora import load_examples
+from training.seq2seq.inputs import normalize_input
 
 torch.set_num_threads(1)
 CODE = grpc.StatusCode

@@ -1,4 +1,4 @@
-"""The beam-search rule (training.beam), written once: its vectorised step over sequences with
+"""The beam-search rule (training.seq2seq.beam), written once: its vectorised step over sequences with
 mixed beam sizes does what the rule says for each sequence alone, and every search path in the
 project computes the same output-length limit."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from export.ct2_runtime import max_lengths
 from server.engine.options import DecodingOptions, Limits
 from tests.architectures import tiny_config
-from training.config import ModelConfig
-from training.beam import NEG_INF, candidates, output_limit, select
-from training.search import _max_lengths
+from training.seq2seq.beam import NEG_INF, candidates, output_limit, select
+from training.seq2seq.config import ModelConfig
+from training.seq2seq.search import _max_lengths
 
 EOS = 2
 
@@ -81,7 +81,7 @@ def test_a_sequence_without_any_live_candidate_is_done():
 
 
 def test_every_search_path_computes_the_same_output_limit_for_ratio_1_3_and_90_pieces():
-    """90 * 1.3 + 10 is 127. In float32 (max_length_ratio's wire type; training.search and the
+    """90 * 1.3 + 10 is 127. In float32 (max_length_ratio's wire type; training.seq2seq.search and the
     CTranslate2 path computed in it) 1.3 * 90 truncates to 116, so they allowed 126 tokens while
     the server (float64) allowed 127; now all read the ratio as the decimal 1.3 and agree on 127."""
     cfg = ModelConfig(**{**tiny_config("vanilla").to_dict(), "max_positions": 256})

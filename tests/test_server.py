@@ -19,9 +19,10 @@ from proto import gret_serve_pb2 as pb
 from server.client import Client
 from server.reflect import main as reflect_main
 from tests.served import RunningServer, config_for, free_port
-from training import search
-from training.checkpoint import load_checkpoint
-from training.data import encode_source, load_examples
+from training.corpora import load_examples
+from training.seq2seq import search
+from training.seq2seq.checkpoint import load_checkpoint
+from training.seq2seq.inputs import encode_source
 
 torch.set_num_threads(1)
 CODE = grpc.StatusCode
@@ -248,7 +249,7 @@ def test_the_ct2_backend_serves_a_vanilla_model_with_the_same_outputs(models, cl
 
 
 def test_the_ct2_backend_refuses_a_gret_model_at_start_and_says_why(models, tmp_path):
-    from server.models import ModelError
+    from server.catalog import ModelError
     from server.registry import Registry
 
     checkpoints = models.parent / "runs"  # de-en: the GRET checkpoint behind tiny-de-en

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from training import train, translate
-from training.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
-from training.data import load_examples
+from training.corpora import load_examples
 from training.decode import corpus_translate
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from training.ship import reproduction
 
 pytestmark = pytest.mark.slow  # it trains models
@@ -167,8 +167,8 @@ def test_every_architecture_trains_translates_and_serves_from_onnx(name, tmp_pat
     """Trained here, the checkpoint translates; exported to ONNX, the server's engine gives the
     same translations."""
     from export.__main__ import main as export_main
+    from server.catalog import from_repository
     from server.engine.options import DecodingOptions
-    from server.models import from_repository
     from server.pipeline import build_pipeline
 
     log = run_train(tmp_path, *ARCHITECTURE_FLAGS[name], "--max-steps", "60", "--eval-every", "60")

@@ -17,15 +17,15 @@ import pytest
 
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
+from server.catalog import VERIFY_FILE, from_repository, load_entry
 from server.config import ServerConfig
 from server.engine.engine import Draining
 from server.engine.options import DecodingOptions
 from server.engine.scheduler import QueueFull
 from server.engine.sequence import CANCELLED, DEADLINE, OK
-from server.models import VERIFY_FILE, from_repository, load_entry
 from server.pipeline import build_pipeline, resolve_precision
 from tests.served import RunningServer, config_for
-from training.data import load_examples
+from training.corpora import load_examples
 
 CODE = grpc.StatusCode
 MODEL = "tiny-en-de"

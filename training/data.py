@@ -1,99 +1,18 @@
-"""Real data from ../shared/data: loaders, SentencePiece, token-based batches."""
+"""Training data: SentencePiece trained on a corpus, the pairs that fit, target ids, token-based
+batches (and length-sorted inference batches for offline decoding)."""
 from __future__ import annotations
 
-import gzip
 import io
-import json
-import os
 import random
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import sentencepiece as spm
 import torch
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = Path(os.environ.get("SHARED_DATA", PROJECT_ROOT.parent / "shared" / "data"))
-
-LANGS = ("de", "en", "fr")
-SPLITS = {
-    "multi30k": ("train", "val", "test_2016_flickr", "test_2017_flickr"),
-    "gigaword": ("train", "valid"),
-    "aeslc": ("train", "dev"),
-}
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
-
-
-@dataclass
-class Example:
-    source: str
-    refs: list[str]  # the first is the training target; AESLC dev has four
-
-    @property
-    def target(self) -> str:
-        return self.refs[0]
-
-
-def _lines(path: Path) -> list[str]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: the data must be at {DATA_DIR} (set SHARED_DATA)")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
-def load_examples(dataset: str, split: str, src_lang: str = "de", tgt_lang: str = "en") -> list[Example]:
-    if dataset not in SPLITS:
-        raise ValueError(f"unknown dataset {dataset!r}; choose from {sorted(SPLITS)}")
-    if split not in SPLITS[dataset]:
-        raise ValueError(f"{dataset} has no split {split!r}; choose from {SPLITS[dataset]}")
-    if dataset == "multi30k":
-        if src_lang not in LANGS or tgt_lang not in LANGS or src_lang == tgt_lang:
-            raise ValueError(f"multi30k directions are two different languages among {LANGS}")
-        src = _lines(DATA_DIR / "multi30k" / f"{split}.{src_lang}.gz")
-        tgt = _lines(DATA_DIR / "multi30k" / f"{split}.{tgt_lang}.gz")
-        return [Example(s, [t]) for s, t in zip(src, tgt, strict=True)]
-    if dataset == "gigaword":
-        src = _lines(DATA_DIR / "gigaword10k" / f"{split}.article.gz")
-        tgt = _lines(DATA_DIR / "gigaword10k" / f"{split}.title.gz")
-        return [Example(s, [t]) for s, t in zip(src, tgt, strict=True)]
-    rows = [json.loads(line) for line in _lines(DATA_DIR / "aeslc" / f"{split}.jsonl.gz")]
-    return [Example(r["email"], [r["subject"]] + [r[k] for k in ("ann0", "ann1", "ann2") if k in r])
-            for r in rows]
-
+from .corpora import Example
+from .seq2seq.inputs import BOS, EOS, PAD, UNK, pad
 
 RARE_WORD = "<unk>"  # Gigaword's stand-in for a rare word, a token of its text
-
-
-def normalize_gigaword(text: str) -> str:
-    """Plain English in the style of the Gigaword corpus (Rush et al.'s preparation), which is all a
-    Gigaword model has seen: lower case, every digit '#', Penn Treebank tokens (-lrb- -rrb-, `` '',
-    &amp;, \\/, 's and n't split off, punctuation apart except inside numbers such as #,###).
-    The corpus's own lines come back unchanged."""
-    t = text.lower().replace("’", "'").replace("‘", "'").replace("“", '"').replace("”", '"')
-    t = re.sub(r"\d", "#", t)
-    t = re.sub(r"&(?!amp;)", " &amp; ", t)
-    t = re.sub(r"(?<!\\)/", r"\\/", t)
-    t = t.replace("(", " -lrb- ").replace(")", " -rrb- ")
-    quoted = t.split('"')  # straight double quotes open, then close
-    t = "".join(part + ("" if i == len(quoted) - 1 else " `` " if i % 2 == 0 else " '' ") for i, part in enumerate(quoted))
-    t = re.sub(r"(\w)(n't)\b", r"\1 \2", t)
-    t = re.sub(r"(\w)('s|'re|'ve|'ll|'d|'m)\b", r"\1 \2", t)
-    t = re.sub(r"(?<!#)(?<!&amp)([,;:!?])|(?<!&amp)([,;:!?])(?!#)", r" \1\2 ", t)
-    t = re.sub(r"(?<!\.)\.\s*$", " .", t)  # the closing full stop, not an abbreviation's
-    return " ".join(t.split())
-
-
-INPUT_STYLES = {"gigaword": normalize_gigaword}  # dataset -> what turns plain text into its style
-
-
-def input_style(dataset: str) -> str | None:
-    """The name of the normalisation a model trained on `dataset` needs on plain input, if any."""
-    return dataset if dataset in INPUT_STYLES else None
-
-
-def normalize_input(style: str | None, text: str) -> str:
-    return INPUT_STYLES[style](text) if style else text
 
 
 def train_sentencepiece(texts: list[str], vocab_size: int) -> bytes:
@@ -112,19 +31,6 @@ def train_sentencepiece(texts: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
-def load_sentencepiece(path_or_bytes) -> spm.SentencePieceProcessor:
-    sp = spm.SentencePieceProcessor()
-    if isinstance(path_or_bytes, bytes):
-        sp.load_from_serialized_proto(path_or_bytes)
-    else:
-        sp.load(str(path_or_bytes))
-    return sp
-
-
-def encode_source(sp, text: str, max_len: int) -> list[int]:
-    return sp.encode(text)[: max_len - 1] + [EOS]
-
-
 def length_filter(examples: list[Example], sp, max_src_len: int, max_tgt_len: int,
                   truncate_source: bool) -> list[Example]:
     """Training pairs that fit: over-long targets are dropped; over-long sources are dropped for
@@ -136,11 +42,6 @@ def length_filter(examples: list[Example], sp, max_src_len: int, max_tgt_len: in
 def encode_target(sp, text: str, max_len: int) -> list[int]:
     """BOS + pieces + EOS; the model reads [:-1] and predicts [1:]."""
     return [BOS] + sp.encode(text)[: max_len - 2] + [EOS]
-
-
-def align_tags(tags: list[list[int]], src: list[list[int]]) -> list[list[int]]:
-    """One POS tag per source id: truncated like the pieces, the EOS gets the PAD tag (0)."""
-    return [t[: len(s) - 1] + [0] * (len(s) - len(t[: len(s) - 1])) for t, s in zip(tags, src)]
 
 
 @dataclass
@@ -156,13 +57,6 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(None if t is None else t.to(device) for t in (self.src, self.tgt, self.src_tags, self.index)))
-
-
-def pad(seqs: list[list[int]], value: int = PAD) -> torch.Tensor:
-    out = torch.full((len(seqs), max(len(s) for s in seqs)), value, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
 
 
 class TokenBatcher:

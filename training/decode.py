@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .data import align_tags, encode_source, source_batches
-from .model import Seq2Seq
-from .search import beam_search, greedy
+from .data import source_batches
+from .seq2seq.inputs import align_tags, encode_source
+from .seq2seq.model import Seq2Seq
+from .seq2seq.search import beam_search, greedy
 
 
 @torch.no_grad()
@@ -18,7 +19,7 @@ def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length
     if model.cfg.pos_tags and tags is None:
         if src_lang is None:
             raise ValueError("a POS-tag model needs the source language to tag its input")
-        from .pos_tags import tag_corpus  # slow import: only POS models need it
+        from .seq2seq.pos_tags import tag_corpus  # slow import: only POS models need it
 
         tags = tag_corpus(texts, src_lang, sp)
     if tags is not None:

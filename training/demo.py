@@ -7,9 +7,9 @@ import sys
 import torch
 
 from . import train
-from .checkpoint import load_checkpoint
-from .data import PROJECT_ROOT, load_examples
+from .corpora import PROJECT_ROOT, load_examples
 from .decode import corpus_translate
+from .seq2seq.checkpoint import load_checkpoint
 
 SHIPPED = PROJECT_ROOT / "models" / "multi30k-de-en"
 FALLBACK = PROJECT_ROOT / "runs" / "demo-de-en"

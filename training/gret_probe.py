@@ -25,10 +25,12 @@ import torch
 
 from kernels.context_gate import gate_values
 
-from .checkpoint import load_checkpoint
-from .data import BOS, PAD, encode_source, load_examples, pad, source_batches
+from .corpora import load_examples
+from .data import source_batches
 from .decode import corpus_translate
 from .metrics import bleu, paired_bootstrap, rouge
+from .seq2seq.checkpoint import load_checkpoint
+from .seq2seq.inputs import BOS, PAD, encode_source, pad
 from .study import PROBE_PREFIX, RESULTS_DIR, TEST_SPLITS, bag_of_words_weight, git_commit
 
 USES_MARGIN = 0.5  # BLEU / ROUGE-1 points the mean replacement must cost (issue 18's bar)

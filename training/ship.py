@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Checkpoint
-from .data import INPUT_STYLES, input_style, load_examples
+from .corpora import load_examples
 from .decode import corpus_translate
 from .metrics import bleu, chrf, rouge
+from .seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from .seq2seq.config import Checkpoint
+from .seq2seq.inputs import INPUT_STYLES, input_style
 from .train import parse_args
 
 EVAL_SPLITS = {"multi30k": ("val", "test_2016_flickr", "test_2017_flickr"), "gigaword": ("valid",),
@@ -115,7 +116,8 @@ def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command
            "rebuild."] if (parent := tr.get("init_from")) else []),
         "- Weights: fp16 safetensors (`model.safetensors`), `config.json`, `spm.model`.",
         *([f"- Input: the server and `training.translate` bring plain text into the style of {data.dataset}'s text "
-           f"before tokenising it (`training.data.{INPUT_STYLES[style].__name__}`); the outputs are in that style too."]
+           f"before tokenising it (`training.seq2seq.inputs.{INPUT_STYLES[style].__name__}`); "
+           "the outputs are in that style too."]
           if (style := input_style(data.dataset)) else []),
         "",
         "## Reproduce",

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
-from .data import PROJECT_ROOT, load_examples
+from .corpora import PROJECT_ROOT, load_examples
 from .decode import corpus_translate
 from .metrics import bleu, chrf, paired_bootstrap, rouge
+from .seq2seq.checkpoint import load_checkpoint
 
 RESULTS_DIR = PROJECT_ROOT / "docs" / "results"
 TARGET_DELTA = 1.0  # the seed papers' claim to check: at least +1 BLEU/ROUGE over the control

@@ -21,15 +21,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from . import checkpoint as ck
-from .config import PRESETS, Checkpoint, DataConfig, ModelConfig
-from .data import (PAD, TokenBatcher, align_tags, encode_source, encode_target, length_filter, load_examples,
-                   load_sentencepiece, train_sentencepiece)
+from .corpora import load_examples
+from .data import TokenBatcher, encode_target, length_filter, train_sentencepiece
 from .decode import corpus_translate
 from .distributed import Processes, start
 from .metrics import bleu, rouge
-from .model import Seq2Seq
-from .positions import choose_mvpe_k
+from .seq2seq import checkpoint as ck
+from .seq2seq.config import PRESETS, Checkpoint, DataConfig, ModelConfig
+from .seq2seq.inputs import PAD, align_tags, encode_source, load_sentencepiece
+from .seq2seq.model import Seq2Seq
+from .seq2seq.positions import choose_mvpe_k
 
 VALID_SPLIT = {"multi30k": "val", "gigaword": "valid", "aeslc": "dev"}
 
@@ -231,7 +232,7 @@ class Trainer:
         tgt = [encode_target(self.sp, e.target, data.max_tgt_len) for e in train]
         self.src_tags = self.valid_tags = None
         if cfg.pos_tags:
-            from .pos_tags import tag_corpus  # slow to import: only for POS models
+            from .seq2seq.pos_tags import tag_corpus  # slow to import: only for POS models
 
             self.src_tags = align_tags(tag_corpus([e.source for e in train], data.src_lang, self.sp), src)
             self.valid_tags = tag_corpus([e.source for e in self.valid], data.src_lang, self.sp)

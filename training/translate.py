@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
-from .data import input_style, normalize_input
 from .decode import corpus_translate
+from .seq2seq.checkpoint import load_checkpoint
+from .seq2seq.inputs import input_style, normalize_input
 
 
 def main(argv=None):

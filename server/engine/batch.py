@@ -23,7 +23,7 @@ spare storage and swaps the two: fresh memory costs a page fault per page, sever
 Both storages hold only finite numbers (a masked column's weight is 0, and 0 x NaN is NaN), so
 columns a row has not written need no zeroing: past_pad hides them whatever they hold.
 
-The search rule is training.beam's, as in training.search.beam_search: candidates are the top
+The search rule is training.seq2seq.beam's, as in training.seq2seq.search.beam_search: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
 length limit) ranked inside the beam finishes a hypothesis, the best non-finishing candidates
 refill the beam; a sequence is done once it holds `beam` finished hypotheses, reaches its limit,
@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from training.beam import NEG_INF, Hypothesis, candidates, select
-from training.model import EncoderState
+from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, select
+from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
 from .source_slots import SourceSlots

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from training.model import EncoderState
+from training.seq2seq.model import EncoderState
 
 from .lru import LRU
 
@@ -70,7 +70,7 @@ def encode_cached(model, cache: EncoderCache, version: Hashable, src_ids: Sequen
 
 
 class CachedEncoder:
-    """A Seq2Seq whose encode() goes through the cache: a drop-in for training.search's greedy and
+    """A Seq2Seq whose encode() goes through the cache: a drop-in for training.seq2seq.search's greedy and
     beam_search, which take padded (B, S) sources (pads are stripped to form the keys)."""
 
     def __init__(self, model, cache: EncoderCache, version: Hashable):

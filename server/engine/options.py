@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.beam import output_limit
+from training.seq2seq.beam import output_limit
 
 
 class OptionError(ValueError):
@@ -57,7 +57,7 @@ class DecodingOptions:
 
     def output_limit(self, source_tokens: int, model_limit: int, limits: Limits) -> int:
         """Most tokens the search may generate for a source of this many pieces (EOS counted):
-        training.beam.output_limit's a * n + b, at most max_length (if set), the model's limit
+        training.seq2seq.beam.output_limit's a * n + b, at most max_length (if set), the model's limit
         and the server's. A min_length above it is an OptionError: the search would stop at the
         limit with no end of sentence."""
         cap = min(c for c in (self.max_length, model_limit, limits.max_output_tokens) if c)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from training.beam import Hypothesis
+from training.seq2seq.beam import Hypothesis
 
 from .options import DecodingOptions
 

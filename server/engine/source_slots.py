@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from training.model import EncoderState
+from training.seq2seq.model import EncoderState
 
 COLUMNS = 8  # the source axis grows and shrinks in steps of this many columns
 

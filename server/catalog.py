@@ -1,4 +1,6 @@
-"""The models a server loads: model repositories, or shipped checkpoints turned into one.
+"""The catalog of what a server can serve: the model folders it finds (discover) and the entry each
+becomes (ModelEntry: load_entry, from_repository); model repositories, or shipped checkpoints
+turned into one.
 
 Each folder under the models directory is either
   - a model repository (model.json + spm.model + the backend's files; `python -m export`), or
@@ -23,11 +25,11 @@ from typing import Callable
 from export.manifest import MANIFEST, TASKS, read_manifest, sha256
 from export.repository import RepositoryError, check_checkpoint, write_repository
 from export.spec import export_digest
-from training.checkpoint import WEIGHTS, load_checkpoint
-from training.config import Checkpoint, ModelConfig
-from training.data import INPUT_STYLES, input_style, load_sentencepiece
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.config import Checkpoint, ModelConfig
+from training.seq2seq.inputs import INPUT_STYLES, input_style, load_sentencepiece
 
-log = logging.getLogger("server.models")
+log = logging.getLogger("server.catalog")
 
 VERIFY_FILE = "verified.json"
 
@@ -51,7 +53,7 @@ class ModelEntry:
     repository: Path | None  # None for the torch backend on a checkpoint
     checkpoint: Path | None
     metrics: dict = field(default_factory=dict)
-    input_style: str | None = None  # training.data.normalize_input's style for plain text, if any
+    input_style: str | None = None  # training.seq2seq.inputs.normalize_input's style for plain text, if any
 
 
 def cache_root() -> Path:

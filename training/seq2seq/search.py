@@ -1,5 +1,5 @@
 """Greedy and batched beam search over Seq2Seq.encode / decode_step (PyTorch reference); the
-search rule and the output-length limit are training.beam's, shared with the server."""
+search rule and the output-length limit are training.seq2seq.beam's, shared with the server."""
 from __future__ import annotations
 
 import torch

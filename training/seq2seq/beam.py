@@ -1,5 +1,5 @@
 """The beam-search rule, written once for every search in the project: the offline reference
-(training.search), the server's engine (server.engine.batch) and the CTranslate2 path (its
+(training.seq2seq.search), the server's engine (server.engine.batch) and the CTranslate2 path (its
 output-length limit and its hypotheses).
 
 One step of a sequence: its candidates are the 2 x beam best of (row score + log-probability)

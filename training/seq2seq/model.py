@@ -194,7 +194,7 @@ class Seq2Seq(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None,
                     beam: int = 1, row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
-        """grown_step() on this model: training.search's step."""
+        """grown_step() on this model: training.seq2seq.search's step."""
         return grown_step(self, tokens, step, enc, cache, beam, row_sentence)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_tags: torch.Tensor | None = None,

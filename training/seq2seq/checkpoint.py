@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import Checkpoint
-from .data import load_sentencepiece
+from .inputs import load_sentencepiece
 from .model import Seq2Seq
 
 WEIGHTS = "model.safetensors"
