@@ -43,7 +43,7 @@ class OnnxGraph:
         options.inter_op_num_threads = 1  # the graphs are sequential chains: no use for more
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         # Idle ONNX Runtime threads must not spin: between steps the engine's own (torch) work runs
-        # on the same cores, and spinning threads slowed a 2-thread engine several-fold here.
+        # on the same cores, and spinning threads take those cores from it.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.device = torch.device(device)
         providers = ["CPUExecutionProvider"]

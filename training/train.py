@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--dropout", type=float)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16 autocast for matmuls (fp32 weights and loss); ~1.7x faster on AVX512-BF16 CPUs")
+                   help="bf16 autocast for matmuls (fp32 weights and loss); faster on CPUs with AVX512-BF16")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="per process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
