@@ -44,6 +44,17 @@ def test_sentences_and_lines_are_segments():
         "Ein Hund läuft.", "Dr. Müller kommt.", "Zeile zwei"]
 
 
+@pytest.mark.parametrize("text, segments", [
+    ("Leute fahren durch eine Landschaft. 2 Mädchen sitzen. Ein Tisch, der bemalt ist. 3 Jungen stehen.",
+     ["Leute fahren durch eine Landschaft.", "2 Mädchen sitzen.", "Ein Tisch, der bemalt ist.", "3 Jungen stehen."]),
+    ("Sie rief „Komm!“ 3 Leute kamen.", ["Sie rief „Komm!“", "3 Leute kamen."]),
+    ("Am 2. Mai kam er. Es kostet ca. 2 Euro. Siehe Abb. 4 und Nr. 5 in der Hauptstr. 7, z. B. 8 Leute.",
+     ["Am 2. Mai kam er.", "Es kostet ca. 2 Euro.", "Siehe Abb. 4 und Nr. 5 in der Hauptstr. 7, z. B. 8 Leute."]),
+])
+def test_a_german_sentence_may_start_with_a_digit_but_not_after_an_ordinal_or_abbreviation(text, segments):
+    assert segment(text, "de", lambda s: True).segments == segments
+
+
 def test_a_sentence_too_long_is_split_at_clauses_that_fit():
     text = "eins, zwei, drei; vier: fünf sechs sieben, acht."
     layout = segment(text, "de", lambda s: len(s) <= 12)
