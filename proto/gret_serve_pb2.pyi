@@ -24,7 +24,7 @@ END_OF_SENTENCE: FinishReason
 LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("beam_size", "length_penalty", "max_length", "max_length_ratio", "max_length_offset", "min_length", "n_best", "return_scores", "no_repeat_ngram_size", "return_diagnostics")
+    __slots__ = ("beam_size", "length_penalty", "max_length", "max_length_ratio", "max_length_offset", "min_length", "n_best", "return_scores", "no_repeat_ngram_size", "return_diagnostics", "target_prefix")
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DecodingOptions(_message.Message):
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     RETURN_DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
     beam_size: int
     length_penalty: float
     max_length: int
@@ -45,7 +46,8 @@ class DecodingOptions(_message.Message):
     return_scores: bool
     no_repeat_ngram_size: int
     return_diagnostics: bool
-    def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ...) -> None: ...
+    target_prefix: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ..., target_prefix: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
     __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format")

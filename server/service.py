@@ -198,6 +198,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         texts = list(request.texts)
         split = task == "translate" and not request.as_one_sequence
         markup = task == "translate" and request.format == pb.HTML
+        prefixes = list(request.options.target_prefix)
         futures = [loop.create_future() for _ in texts]
         owner: dict[int, int] = {}  # sequence id -> its text's index
 
@@ -214,9 +215,9 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             if pipeline.entry.cfg.pos_tags:  # tagging is slow: keep it off the event loop
                 docs = await loop.run_in_executor(None, pipeline.documents, texts, options, on_done, deadline, split,
-                                                  None, markup)
+                                                  None, markup, prefixes)
             else:
-                docs = pipeline.documents(texts, options, on_done, deadline, split, markup=markup)
+                docs = pipeline.documents(texts, options, on_done, deadline, split, markup=markup, prefixes=prefixes)
         except InputError as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         owner.update({s.id: i for i, d in enumerate(docs) for s in d.sequences})

@@ -1,7 +1,7 @@
 """Documents in, documents out: segmentation keeps every character of the layout, the real server
 translates texts of many sentences and paragraphs in one call (as the sentences one by one, put
 back in place), says when it cut a source or stopped at the length limit, and normalises language
-codes; the CLI translates stdin as one document."""
+codes; the CLI translates stdin as one document; a target prefix begins a text's output."""
 from __future__ import annotations
 
 import io
@@ -262,3 +262,50 @@ def test_html_comes_back_with_identical_markup(client):
 def test_auto_detects_the_source_language(client, text, detected, model):
     response = client.translate([text], source="auto")
     assert (response.source_language, response.model) == (detected, model)
+
+
+# ---- target prefix ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # a real server
+def test_a_target_prefix_begins_each_text_and_only_a_documents_first_sentence(client):
+    sentences = german(4, offset=110)
+    text = "  " + document(sentences)
+    results = client.translate([text, sentences[0]], target="en", beam_size=2, target_prefix="A dog").results
+    first = client.translate(sentences[:1], target="en", beam_size=2, as_one_sequence=True,
+                             target_prefix="A dog").results[0].hypotheses[0].text
+    rest = client.translate(sentences[1:], target="en", beam_size=2, as_one_sequence=True).results
+    assert first.startswith("A dog") and results[1].hypotheses[0].text == first
+    layout = segment(text, "de", lambda s: True)
+    assert results[0].hypotheses[0].text == layout.join([first] + [r.hypotheses[0].text for r in rest])
+    assert results[0].hypotheses[0].text.startswith("  A dog")  # after the text's own leading whitespace
+    n_best = client.translate(sentences[1:3], target="en", beam_size=3, n_best=3, target_prefix="Two").results
+    assert all(h.text.startswith("Two") for r in n_best for h in r.hypotheses)
+
+
+@pytest.mark.slow  # a real server
+def test_a_prefix_per_text_comes_back_as_sent(client):
+    texts = german(3, offset=120)
+    plain = client.translate(texts, target="en", beam_size=2).results
+    prefixes = ["The  man ", "", "Ein 😀 & <b>"]  # spaces as sent, none, characters the model cannot write
+    results = client.translate(texts, target="en", beam_size=2, target_prefix=prefixes).results
+    first = results[0].hypotheses[0].text
+    assert first.startswith("The  man ") and not first[9:].startswith(" ")  # no second space after the prefix
+    assert results[1].hypotheses[0].text == plain[1].hypotheses[0].text
+    assert results[2].hypotheses[0].text.startswith("Ein 😀 & <b>")
+    headline = client.summarize(["japan 's exports rose for a third month in october , the ministry said ."],
+                                beam_size=2, target_prefix="Japan's").results[0].hypotheses[0].text
+    assert headline.startswith("Japan's")  # the model reads it in its style ('japan 's'); it comes back as sent
+
+
+@pytest.mark.slow  # a real server
+def test_a_prefix_longer_than_the_output_limit_or_one_too_many_is_refused(client, server):
+    prefix = "Ein Mann und eine Frau laufen mit zwei Hunden"
+    pieces = len(server.registry.pipelines["tiny-de-en"].entry.sp.encode(prefix))
+    with pytest.raises(grpc.RpcError) as info:
+        client.translate(["Ein Hund.", "Eine Katze."], target="en", max_length=5, target_prefix=["", prefix])
+    assert info.value.code() == CODE.INVALID_ARGUMENT
+    assert (f"text 1: option target_prefix is {pieces} pieces, longer than the output limit of 5 tokens"
+            in info.value.details())
+    with pytest.raises(grpc.RpcError) as info:
+        client.translate(["Ein Hund.", "Eine Katze.", "Ein Pferd."], target="en", target_prefix=["A", "B"])
+    assert info.value.code() == CODE.INVALID_ARGUMENT
+    assert "option target_prefix has 2 entries for 3 texts" in info.value.details()

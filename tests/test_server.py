@@ -237,14 +237,20 @@ def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp
 def test_the_ct2_backend_serves_a_vanilla_model_with_the_same_outputs(models, client, tmp_path):
     texts = ["A dog runs on the beach.", "Two men are playing soccer in a park.", "A woman reads a book."]
     expected = [r.hypotheses[0].text for r in client.translate(texts, target="de", beam_size=4).results]
+    prefixes = ["Ein Hund", "", "Eine"]  # CT2's target_prefix (beam 1: ct2_runtime's docstring)
+    prefixed = [r.hypotheses[0].text for r in client.translate(texts, target="de", beam_size=1,
+                                                               target_prefix=prefixes).results]
     running = RunningServer(config_for(models, tmp_path, backend="ct2", models=["tiny-en-de"]))
     try:
         with Client(running.address, timeout=60) as ct2:
             assert ct2.list_models()[0].backend == "ct2"
             response = ct2.translate(texts, target="de", beam_size=4)
+            with_prefix = ct2.translate(texts, target="de", beam_size=1, target_prefix=prefixes)
     finally:
         running.stop()
     assert [r.hypotheses[0].text for r in response.results] == expected
+    assert [r.hypotheses[0].text for r in with_prefix.results] == prefixed
+    assert prefixed[0].startswith("Ein Hund") and prefixed[2].startswith("Eine")
 
 
 def test_the_ct2_backend_refuses_a_gret_model_at_start_and_says_why(models, tmp_path):
