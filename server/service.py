@@ -190,6 +190,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             options = decoding_options(request.options).check(pipeline.limits)
             if options.diagnostics:
                 pipeline.check_diagnostics()
+            if task == "translate" and request.format not in pb.TextFormat.values():
+                raise InputError(f"format {request.format} is not a TextFormat: use one of "
+                                 f"{', '.join(pb.TextFormat.keys())}")
         except (OptionError, InputError) as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         remaining = context.time_remaining()
