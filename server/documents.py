@@ -102,7 +102,7 @@ def fit(text: str, span: tuple[int, int], fits: Callable[[str], bool]) -> list[t
     start, end = span
     if fits(text[start:end]):
         return [span]
-    cuts = [start + m.end() for m in CLAUSE_ENDS.finditer(text, start, end)] + [end]
+    cuts = [m.end() for m in CLAUSE_ENDS.finditer(text, start, end)] + [end]  # finditer gives offsets in text
     segments, begin, last = [], start, None  # `last`: the furthest cut that still fits from `begin`
     for cut in cuts:
         if last is not None and not fits(text[begin:cut]):

@@ -62,6 +62,13 @@ def test_a_sentence_too_long_is_split_at_clauses_that_fit():
     assert layout.join(layout.segments) == text
 
 
+def test_a_long_sentence_after_others_is_split_at_its_own_clauses():
+    text = "Ja. Nein.\n\neins, zwei, drei; vier: fünf sechs sieben, acht."
+    layout = segment(text, "de", lambda s: len(s) <= 12)
+    assert layout.segments == ["Ja.", "Nein.", "eins, zwei,", "drei; vier:", "fünf sechs sieben,", "acht."]
+    assert layout.join(layout.segments) == text
+
+
 def test_a_clause_that_cannot_fit_stays_whole():
     text = "ein sehr langer Satz ohne jedes Komma"
     assert segment(text, "de", lambda s: len(s) < 10).segments == [text]
