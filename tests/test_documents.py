@@ -8,11 +8,13 @@ import io
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proto import gret_serve_pb2 as pb
 from server import client as client_cli
 from server.client import Client
-from server.documents import segment, whole
+from server.documents import CLAUSE_ENDS, segment, whole
 from server.languages import normalize
 from server.markup import markup_of, segment_html
 from server.unknowns import Alphabet, protect, restore
@@ -67,6 +69,20 @@ def test_a_long_sentence_after_others_is_split_at_its_own_clauses():
     layout = segment(text, "de", lambda s: len(s) <= 12)
     assert layout.segments == ["Ja.", "Nein.", "eins, zwei,", "drei; vier:", "fünf sechs sieben,", "acht."]
     assert layout.join(layout.segments) == text
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.sampled_from(["Hund", "Männer", "2", "laufen", ",", ";", ":", " –", ".", "!", " ", " ", " ", "\n",
+                                 "\n\n", "Dr.", "z. B."]), max_size=60).map("".join))
+def test_any_text_is_cut_where_the_rules_say_and_put_back_whole(text):
+    """Rules 1-4 of server.documents on any text: the layout gives the text back, and a segment too
+    long for the model is a single clause (it holds no clause end before its last character)."""
+    fits = lambda s: len(s) <= 12  # noqa: E731
+    layout = segment(text, "de", fits)
+    assert layout.join(layout.segments) == text
+    assert all(s == s.strip() and s and "\n" not in s for s in layout.segments)
+    for s in layout.segments:
+        assert fits(s) or not any(m.end() < len(s) for m in CLAUSE_ENDS.finditer(s)), s
 
 
 def test_a_clause_that_cannot_fit_stays_whole():
