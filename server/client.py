@@ -42,8 +42,11 @@ class Client:
                                       options=decoding_options(**options))
         return self.stub.Translate(request, timeout=self.timeout, metadata=self.metadata)
 
-    def translate_stream(self, texts: list[str], target: str = "", source: str = "", model: str = "", **options):
+    def translate_stream(self, texts: list[str], target: str = "", source: str = "", model: str = "",
+                         stream_sentences: bool = False, html: bool = False, **options):
+        """One response per text as it finishes; with stream_sentences, each sentence before it (partial)."""
         request = pb.TranslateRequest(texts=texts, source_language=source, target_language=target, model=model,
+                                      stream_sentences=stream_sentences, format=pb.HTML if html else pb.TEXT,
                                       options=decoding_options(**options))
         return self.stub.TranslateStream(request, timeout=self.timeout, metadata=self.metadata)
 

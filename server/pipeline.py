@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from export.ct2_runtime import Ct2Translator
@@ -54,6 +54,7 @@ class Document:
     truncated: bool  # a segment's source was cut to the model's limit
     prefix: str = ""  # the target prefix as sent: the first segment's output begins with it
     head: str = ""  # the prefix as the model writes it (its pieces decoded), which the output begins with
+    cut: list[bool] = field(default_factory=list)  # per segment: its source was cut to the model's limit
 
 
 @dataclass
@@ -135,8 +136,9 @@ class Pipeline:
             pieces = self._prefix_pieces(prefixes[i])
             seqs = [self._sequence(i, source, replace(options, prefix=tuple(pieces)) if k == 0 and pieces else options,
                                    on_done, deadline, truncate) for k, source in enumerate(sources)]
-            docs.append(Document(layout, seqs, [s.protected for s in sources], any(self._cut(s) for s in sources),
-                                 prefixes[i] if prefixes[i].strip() else "", self.entry.sp.decode(pieces)))
+            cut = [self._cut(s) for s in sources]
+            docs.append(Document(layout, seqs, [s.protected for s in sources], any(cut),
+                                 prefixes[i] if prefixes[i].strip() else "", self.entry.sp.decode(pieces), cut))
         return docs
 
     def _prefixes(self, prefixes: list[str], n: int) -> list[str]:
@@ -224,15 +226,7 @@ class Pipeline:
         """The document's n-best outputs, best first: output k puts each segment's k-th hypothesis
         (or its last, where it has fewer) back in the text's layout. Score = total log P / total
         length ** length_penalty, each sentence's end counted: for one sentence, its own score."""
-        def text(tokens: list[int], protected: Protected, first: bool) -> str:
-            if not (first and doc.prefix):
-                return restore(self.entry.sp.decode(tokens), protected)
-            output = restore(self.entry.sp.decode(tokens), protected, keep=len(doc.head), given=doc.prefix)
-            return begin_with(doc.prefix, doc.head, output)
-
-        per_segment = [[(text(h.tokens, protected, k == 0), h, len(h.tokens) >= s.max_len) for h in s.hypotheses]
-                       or [(text([], protected, k == 0), Hypothesis([], 0.0, 0.0), False)]
-                       for k, (s, protected) in enumerate(zip(doc.sequences, doc.protected))]
+        per_segment = [self._segment(doc, k) for k in range(len(doc.sequences))]
         penalty = doc.sequences[0].options.length_penalty
         outputs = []
         for k in range(max(map(len, per_segment))):
@@ -244,6 +238,24 @@ class Pipeline:
                                   log_prob / max(1, length) ** penalty, log_prob,
                                   any(at_limit for _, _, at_limit in picked)))
         return sorted(outputs, key=lambda o: -o.score)
+
+    def sentence_outputs(self, doc: Document, k: int) -> list[Output]:
+        """Segment k's own n-best outputs (a sentence streamed ahead of its text), best first."""
+        return [Output(text, len(h.tokens), h.score, h.log_prob, at_limit) for text, h, at_limit in self._segment(doc, k)]
+
+    def _segment(self, doc: Document, k: int) -> list[tuple[str, Hypothesis, bool]]:
+        """Segment k's hypotheses as (text, hypothesis, stopped at its length limit): the characters
+        the model cannot write put back, the first segment beginning with the prefix as sent."""
+        seq, protected = doc.sequences[k], doc.protected[k]
+
+        def text(tokens: list[int]) -> str:
+            if not (k == 0 and doc.prefix):
+                return restore(self.entry.sp.decode(tokens), protected)
+            output = restore(self.entry.sp.decode(tokens), protected, keep=len(doc.head), given=doc.prefix)
+            return begin_with(doc.prefix, doc.head, output)
+
+        return ([(text(h.tokens), h, len(h.tokens) >= seq.max_len) for h in seq.hypotheses]
+                or [(text([]), Hypothesis([], 0.0, 0.0), False)])
 
     def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(), truncate: bool | None = None,
                split: bool = False, markup: bool = False, prefixes: list[str] | None = None) -> list[str]:

@@ -225,6 +225,31 @@ def test_streaming_sends_each_document_once(client):
 
 
 @pytest.mark.slow  # a real server
+@pytest.mark.parametrize("html", [False, True])
+def test_streaming_sentences_sends_each_as_partial_before_its_text(client, html):
+    """"Ja." ends many decoding steps before the long sentence after it, so it is sent apart,
+    marked partial, as it is translated alone; each text still comes once, whole, after its
+    sentences; a one-sentence text only whole."""
+    long = " ".join(german(3, offset=150)).replace(".", ",")[:-1] + "."
+    text = f"<p>Ja. <b>{long}</b></p>" if html else f"Ja.\n\nNein. {long}"
+    sentences = ["Ja.", long] if html else ["Ja.", "Nein.", long]
+    events = [r.results[0] for r in client.translate_stream([text, "Ein Hund."], target="en", beam_size=2, html=html,
+                                                            stream_sentences=True)]
+    final = {r.index: r for r in events if not r.partial}
+    assert sorted(final) == [0, 1] and len(events) - sum(r.partial for r in events) == 2
+    unary = client.translate([text, "Ein Hund."], target="en", beam_size=2, html=html).results
+    assert [final[i].hypotheses[0].text for i in (0, 1)] == [r.hypotheses[0].text for r in unary]
+    alone = client.translate(sentences, target="en", beam_size=2, as_one_sequence=True).results
+    partial = [r for r in events if r.partial]
+    assert partial and partial[0].sentence == 0  # a scheduling fact: "Ja." ends ~20 decoder steps earlier
+    for r in partial:
+        assert (r.index, r.sentences) == (0, len(sentences)) and r.sentence < len(sentences) - 1
+        assert r.hypotheses[0].text == alone[r.sentence].hypotheses[0].text
+        assert events.index(r) < events.index(final[0])
+    assert len({r.sentence for r in partial}) == len(partial)
+
+
+@pytest.mark.slow  # a real server
 def test_metrics_count_texts_and_sentences(client, server):
     def count(name: str) -> float:
         return server.metrics.registry.get_sample_value(name, {"model": "tiny-de-en", "status": "ok"}) or 0.0

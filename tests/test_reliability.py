@@ -255,6 +255,18 @@ def check_results(server: RunningServer, request, model: str, results) -> None:
         assert scores == (sorted(scores, reverse=True) if request.options.return_scores else [0.0] * len(hyps))
 
 
+def check_partial(request, sent: list) -> None:
+    """Sentences streamed ahead of their texts: only when asked for, only of texts of several
+    sentences, each once and before its text."""
+    partial = [r for r in sent if r.partial]
+    if not (isinstance(request, pb.TranslateRequest) and request.stream_sentences):
+        assert not partial
+    finals = {r.index: at for at, r in enumerate(sent) if not r.partial}
+    for r in partial:
+        assert r.sentences >= 2 and r.sentence < r.sentences and sent.index(r) < finals[r.index]
+    assert len({(r.index, r.sentence) for r in partial}) == len(partial)
+
+
 def check_answer(server: RunningServer, method: str, request, outcome) -> None:
     code, responses, details = outcome
     want = expected(server, method, request)
@@ -266,7 +278,9 @@ def check_answer(server: RunningServer, method: str, request, outcome) -> None:
         assert all(r.model == want.model for r in responses)
         if method.endswith("Stream"):
             assert all(len(r.results) == 1 for r in responses)
-            results = sorted((r.results[0] for r in responses), key=lambda r: r.index)
+            sent = [r.results[0] for r in responses]
+            results = sorted((r for r in sent if not r.partial), key=lambda r: r.index)
+            check_partial(request, sent)
         else:
             results = responses[0].results
         check_results(server, request, want.model, results)
@@ -394,7 +408,7 @@ def any_call(draw):
     common = dict(texts=draw(texts), model=draw(model), options=draw(options))
     if method.startswith("Translate"):
         return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language),
-                                           as_one_sequence=draw(st.booleans()),
+                                           as_one_sequence=draw(st.booleans()), stream_sentences=draw(st.booleans()),
                                            format=draw(weighted((6, st.just(pb.TEXT)), (3, st.just(pb.HTML)),
                                                                 (1, st.integers(2, 2**31 - 1)))), **common)
     return method, pb.SummarizeRequest(**common)
