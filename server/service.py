@@ -29,6 +29,7 @@ from .engine.scheduler import QueueFull
 from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
 from .languages import AUTO, normalize
 from .logs import HEADER, REQUEST_ID, request_id
+from .markup import text_of
 from .metrics import Metrics
 from .pipeline import Document, InputError, Pipeline
 from .registry import ModelNotFound, Registry
@@ -213,8 +214,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         if task == "translate" and not request.model and normalize(source) == AUTO:
-            source = await asyncio.get_running_loop().run_in_executor(
-                None, self.registry.detect_source, list(request.texts), target)
+            texts = [text_of(t) for t in request.texts] if request.format == pb.HTML else list(request.texts)
+            source = await asyncio.get_running_loop().run_in_executor(None, self.registry.detect_source, texts, target)
         try:
             pipeline = self.registry.find(task, request.model, source, target)
         except ModelNotFound as e:

@@ -304,6 +304,14 @@ def test_html_comes_back_with_identical_markup(client):
 
 
 @pytest.mark.slow  # a real server
+def test_auto_reads_an_html_documents_text_not_its_markup(client):
+    page = ('<p title="Ein Hund läuft über die Wiese und ein Mann schaut zu, während die Kinder im Garten spielen">'
+            'A dog runs across the meadow and a man watches.</p>')
+    response = client.translate([page], source="auto", html=True, beam_size=1)
+    assert (response.source_language, response.model) == ("en", "tiny-en-de")
+
+
+@pytest.mark.slow  # a real server
 @pytest.mark.parametrize("text, detected, model", [
     ("Ein Hund läuft über die Wiese und ein Mann schaut zu.", "de", "tiny-de-en"),
     ("A dog runs across the meadow and a man watches.", "en", "tiny-en-de")])

@@ -33,7 +33,7 @@ from server.__main__ import main as server_main
 from server.client import Client
 from server.engine.options import DecodingOptions
 from server.documents import segment, whole
-from server.markup import segment_html
+from server.markup import segment_html, text_of
 from server.engine.sequence import CANCELLED, DEADLINE
 from server.languages import normalize
 from server.unknowns import Alphabet, protect
@@ -91,8 +91,9 @@ def expected(server: RunningServer, method: str, request) -> Expected:
     else:
         source, target = (normalize(request.source_language), normalize(request.target_language)) \
             if task == "translate" else ("", "")
-        if source == "auto":  # detected among the sources of the models into the target
-            source = server.registry.detect_source(list(request.texts), target)
+        if source == "auto":  # detected among the sources of the models into the target, from text, not markup
+            texts = [text_of(t) for t in request.texts] if markup(request) else list(request.texts)
+            source = server.registry.detect_source(texts, target)
         fits = sorted(n for n, e in models.items() if e.task == task and source in ("", e.source_language)
                       and target in ("", e.target_language))
         if not fits:
