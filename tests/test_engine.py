@@ -51,26 +51,38 @@ def engine_for(model, policy="continuous", **kw) -> Engine:
     return Engine(TorchBackend(model), "v1", Scheduler(policy, **kw), EncoderCache(1 << 24))
 
 
+def staggered(model, srcs, options) -> tuple[Engine, list[Sequence]]:
+    """The texts joining one running batch at different steps: two, two steps later two more (the
+    first two still running), a step later the rest; run until all are done."""
+    engine = engine_for(model)
+    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
+    engine.submit(seqs[:2])
+    engine.iterate()
+    engine.iterate()
+    engine.submit(seqs[2:4])
+    engine.iterate()
+    engine.submit(seqs[4:])
+    engine.run_until_idle()
+    return engine, seqs
+
+
+def assert_offline(model, seqs, srcs, options) -> None:
+    """Each text got what the offline beam search gives it alone: the same n-best and scores."""
+    for seq, src, opt in zip(seqs, srcs, options):
+        assert seq.status == OK
+        expected = offline(model, src, opt)
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in expected]
+        assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
+
+
 @pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca", "mvpe"])
 def test_texts_joining_at_different_steps_get_their_offline_beam_search_results(name):
     model = tiny_model(name)
     srcs = sources(model, [7, 3, 9, 5, 6])
     options = [DecodingOptions(beam=4), DecodingOptions(beam=2), DecodingOptions(beam=1),
                DecodingOptions(beam=3, length_penalty=0.6, n_best=3), DecodingOptions(beam=5, max_len_b=4)]
-    engine = engine_for(model)
-    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
-    engine.submit(seqs[:2])
-    engine.iterate()
-    engine.iterate()
-    engine.submit(seqs[2:4])  # join a batch two steps in
-    engine.iterate()
-    engine.submit(seqs[4:])
-    engine.run_until_idle()
-    for seq, src, opt in zip(seqs, srcs, options):
-        assert seq.status == OK
-        expected = offline(model, src, opt)
-        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in expected]
-        assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
+    _, seqs = staggered(model, srcs, options)
+    assert_offline(model, seqs, srcs, options)
 
 
 def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
@@ -156,20 +168,9 @@ def test_a_target_prefix_is_forced_in_the_running_batch_as_in_offline_search(nam
                DecodingOptions(beam=1, prefix=(17,)), DecodingOptions(beam=3, length_penalty=0.6, prefix=(8, 8)),
                DecodingOptions(beam=5, n_best=5, prefix=(30, 31, 32, 33, 34, 35)),
                DecodingOptions(beam=2, max_len_a=0, max_len_b=3, prefix=(6, 7, 8))]
-    engine = engine_for(model)
-    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
-    engine.submit(seqs[:2])
-    engine.iterate()
-    engine.iterate()
-    engine.submit(seqs[2:4])  # join two steps in: the first is still inside its prefix
-    engine.iterate()
-    engine.submit(seqs[4:])
-    engine.run_until_idle()
-    for seq, src, opt in zip(seqs, srcs, options):
-        assert seq.status == OK
-        expected = offline(model, src, opt)
-        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in expected]
-        assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
+    engine, seqs = staggered(model, srcs, options)  # the third and fourth join while the first is in its prefix
+    assert_offline(model, seqs, srcs, options)
+    for seq, opt in zip(seqs, options):
         assert all(h.tokens[:len(opt.prefix)] == list(opt.prefix) for h in seq.hypotheses)
     assert seqs[5].hypotheses[0].tokens == [6, 7, 8]  # the whole limit: the prefix and nothing else
     assert engine.batch.constrained == 0
