@@ -75,7 +75,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TranslateStream(self, request, context):
-        """The same, streamed: one response per text as soon as it is finished (any order; see `index`).
+        """The same, streamed: one response per text as soon as it is finished (any order; see `index`);
+        with stream_sentences, also each sentence as soon as it is (TextResult.partial).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

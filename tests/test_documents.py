@@ -359,7 +359,7 @@ def test_a_prefix_longer_than_the_output_limit_or_one_too_many_is_refused(client
     with pytest.raises(grpc.RpcError) as info:
         client.translate(["Ein Hund.", "Eine Katze."], target="en", max_length=5, target_prefix=["", prefix])
     assert info.value.code() == CODE.INVALID_ARGUMENT
-    assert (f"text 1: option target_prefix is {pieces} pieces, longer than the output limit of 5 tokens"
+    assert (f"text 1: option target_prefix is {pieces} pieces, not shorter than the output limit of 5 tokens"
             in info.value.details())
     with pytest.raises(grpc.RpcError) as info:
         client.translate(["Ein Hund.", "Eine Katze.", "Ein Pferd."], target="en", target_prefix=["A", "B"])
