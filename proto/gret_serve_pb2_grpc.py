@@ -83,7 +83,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Summarize(self, request, context):
-        """Summarise every text (headline, e-mail subject, ...).
+        """Summarise every text (headline, e-mail subject, ...); a text over the model's max_input_pieces
+        is summarised from its first sentence (chosen by measurement: docs/DOCUMENTS.md), `truncated` set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -110,7 +110,9 @@ class Pipeline:
         Translation splits each text into sentences (server.documents); summaries, and `split=False`,
         read each text whole; `markup` texts are HTML (server.markup: always split). A segment over
         the model's limit is truncated (and the document says so) where `truncate`, by default when
-        splitting or summarising (as in training); otherwise it is refused. `prefixes` (the request's
+        splitting or summarising (as in training); otherwise it is refused. A summary of a text over
+        the limit reads the text's first sentence (server.documents; cut to the limit if that alone
+        is longer) and says `truncated`, unless `truncate` is asked for: then the first pieces that fit. `prefixes` (the request's
         target_prefix: none, one for every text, or one per text) begin each text's first segment."""
         limits = self.limits
         if not texts:
@@ -119,6 +121,7 @@ class Pipeline:
             raise InputError(f"{len(texts)} texts in one call; the limit is {limits.max_texts}")
         prefixes = self._prefixes(prefixes or [], len(texts))
         split = not self.summarize if split is None else split
+        leads = self.summarize and truncate is None
         truncate = split or self.summarize if truncate is None else truncate
         docs = []
         for i, text in enumerate(texts):
@@ -133,10 +136,13 @@ class Pipeline:
             if not layout.segments:
                 raise InputError(f"text {i} has no text outside its markup")
             sources = [self._source(part) for part in layout.segments]
+            lead = leads and self._cut(sources[0])
+            if lead:  # a text over the window is summarised from its lead sentence (measured: docs/DOCUMENTS.md)
+                sources = [self._source(segment(text, self.entry.source_language, self._fits).segments[0])]
             pieces = self._prefix_pieces(prefixes[i])
             seqs = [self._sequence(i, source, replace(options, prefix=tuple(pieces)) if k == 0 and pieces else options,
                                    on_done, deadline, truncate) for k, source in enumerate(sources)]
-            cut = [self._cut(s) for s in sources]
+            cut = [lead or self._cut(s) for s in sources]
             docs.append(Document(layout, seqs, [s.protected for s in sources], any(cut),
                                  prefixes[i] if prefixes[i].strip() else "", self.entry.sp.decode(pieces), cut))
         return docs

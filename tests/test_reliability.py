@@ -177,7 +177,15 @@ def layout(entry, request, text: str):
 
 
 def segments(entry, request, text: str) -> list[str]:
+    """What the model reads of a text: its layout's segments; a summary of a text over the window
+    reads the text's first sentence."""
+    if over_window(entry, request, text):
+        return segment(text, entry.source_language, lambda s: pieces(entry, s) <= entry.max_src_len - 1).segments[:1]
     return layout(entry, request, text).segments
+
+
+def over_window(entry, request, text: str) -> bool:
+    return not isinstance(request, pb.TranslateRequest) and pieces(entry, text) > entry.max_src_len - 1
 
 
 def prefixes_of(request) -> list[str]:
@@ -222,7 +230,7 @@ def text_problem(entry, task: str, request, o: dict) -> str:
             if refuses_long(request) and pieces(entry, s) > entry.max_src_len - 1:
                 return f"text {i} is"  # ... N pieces long (summaries and split texts truncate instead)
             limit = output_limit(entry, o, source_tokens(entry, s))
-            if k == 0 and prefix_pieces(entry, prefix) > limit:
+            if k == 0 and prefix_pieces(entry, prefix) >= limit:
                 return f"text {i}: option target_prefix is"
             if o["min_length"] > limit:
                 return f"text {i}: option min_length="
@@ -241,7 +249,8 @@ def check_results(server: RunningServer, request, model: str, results) -> None:
     for text, result, prefix in zip(request.texts, results, prefixes_of(request)):
         parts = segments(entry, request, text)
         assert (result.sentences, result.source_tokens) == (len(parts), sum(source_tokens(entry, s) for s in parts))
-        assert result.truncated == any(pieces(entry, s) > entry.max_src_len - 1 for s in parts)
+        assert result.truncated == (over_window(entry, request, text)
+                                    or any(pieces(entry, s) > entry.max_src_len - 1 for s in parts))
         limits = [output_limit(entry, o, source_tokens(entry, s)) for s in parts]
         hyps = result.hypotheses
         assert len(hyps) == o["n_best"]
