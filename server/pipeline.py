@@ -112,8 +112,9 @@ class Pipeline:
         the model's limit is truncated (and the document says so) where `truncate`, by default when
         splitting or summarising (as in training); otherwise it is refused. A summary of a text over
         the limit reads the text's first sentence (server.documents; cut to the limit if that alone
-        is longer) and says `truncated`, unless `truncate` is asked for: then the first pieces that fit. `prefixes` (the request's
-        target_prefix: none, one for every text, or one per text) begin each text's first segment."""
+        is longer) and says `truncated`; with `truncate` given, the first pieces that fit instead.
+        `prefixes` (the request's target_prefix: none, one for every text, or one per text) begin
+        each text's first segment."""
         limits = self.limits
         if not texts:
             raise InputError("no texts: send at least one")
@@ -247,7 +248,8 @@ class Pipeline:
 
     def sentence_outputs(self, doc: Document, k: int) -> list[Output]:
         """Segment k's own n-best outputs (a sentence streamed ahead of its text), best first."""
-        return [Output(text, len(h.tokens), h.score, h.log_prob, at_limit) for text, h, at_limit in self._segment(doc, k)]
+        return [Output(text, len(h.tokens), h.score, h.log_prob, at_limit)
+                for text, h, at_limit in self._segment(doc, k)]
 
     def _segment(self, doc: Document, k: int) -> list[tuple[str, Hypothesis, bool]]:
         """Segment k's hypotheses as (text, hypothesis, stopped at its length limit): the characters
