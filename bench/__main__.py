@@ -6,7 +6,8 @@ import sys
 
 COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed",
             "replicas": "bench.replicas", "http": "bench.http", "report": "bench.report",
-            "segmenters": "bench.segmenters", "unknowns": "bench.unknowns", "documents": "bench.documents"}
+            "segmenters": "bench.segmenters", "unknowns": "bench.unknowns", "documents": "bench.documents",
+            "summaries": "bench.summaries"}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,8 @@ those into documents of 4 paragraphs (bench.segmenters.documents). Four sets: pl
 of special characters (€, emoji, CJK, accents, symbols) in every sentence; plain wrapped in HTML
 (paragraphs in <p>, a word of each sentence in <b> or <a href>, &amp; and a comment between
 sentences). Each document is translated whole (served document mode, beam 4) and, as the
-baseline, each caption alone; BLEU is per document (the captions' references joined), the same
+baseline, each caption alone (the segments that are not one caption are listed: the segmenter's
+misses); BLEU is per document (the captions' references joined), the same
 for both (the special runs taken out of the outputs first). Preserved: the share of special runs
 found in the output, and of documents whose markup (tags with attributes, entities, comments, in
 order) is identical."""
@@ -25,6 +26,7 @@ from bench.segmenters import documents
 from bench.unknowns import FOREIGN, with_word
 from server.catalog import load_entry
 from server.engine.options import Limits
+from server.documents import segment
 from server.markup import markup_of
 from server.pipeline import build_pipeline
 from bench import add_publish, results_dir
@@ -75,6 +77,11 @@ def main(argv=None) -> int:
     refs = [[" ".join(examples[i].refs[0] for i in g)] for g in groups]
     result = {"model": args.model, "split": "test_2016_flickr", "sentences": len(plain), "documents": len(sizes),
               "captions_without_full_stop": sum(s[-1] not in ".!?" for s in plain)}
+    for name in ("plain", "punctuated"):  # where the segmenter did not find a caption's boundaries
+        captions = set(plain if name == "plain" else punctuated)
+        found = [s for text in docs[name] for s in segment(text, "de", pipeline._fits).segments]
+        result[f"segments_{name}"] = len(found)
+        result[f"segments_not_one_caption_{name}"] = [s for s in found if s not in captions]
     for name, sentences in (("plain", plain), ("punctuated", punctuated)):
         one_by_one = pipeline.decode(sentences)
         result[f"bleu_one_by_one_{name}"] = round(bleu([" ".join(one_by_one[i] for i in g) for g in groups], refs), 2)

@@ -46,8 +46,15 @@ def blingfire_starts(lang: str):
     return lambda text: [start for start, _ in blingfire.text_to_sentences_and_offsets(text)[1]]
 
 
+def served_starts(lang: str):
+    """What the server splits on: sentencex, line by line, with digit starts (server.documents)."""
+    from server.documents import sentence_spans
+
+    return lambda text: [start for start, _ in sentence_spans(text, lang)]
+
+
 SEGMENTERS = {"pysbd": pysbd_starts, "sentencex": sentencex_starts, "syntok": syntok_starts,
-              "blingfire": blingfire_starts}
+              "blingfire": blingfire_starts, "served": served_starts}
 
 
 def documents(sentences: list[str], seed: int = 0) -> list[tuple[str, set[int]]]:

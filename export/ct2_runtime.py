@@ -12,9 +12,13 @@ outputs match the PyTorch reference token for token (tests/test_ct2.py):
   - CT2 takes one max_decoding_length per call, while ours is per sentence (a * src_len + b,
     at most max_positions - 1), so sentences are grouped by their limit and each group is one
     CT2 call (an absolute max_length makes it a single call).
+  - a target prefix is CT2's target_prefix (its pieces, returned with the output): forced with
+    log-probability 0, counted in the length limits and the length penalty (training.seq2seq.beam.force_prefix).
 One known difference: with length_penalty 0 CT2 stops a sentence as soon as its best beam has
 finished (nothing can beat it then), ours waits for `beam` finished hypotheses; the best output
-is the same, n-best entries after the first may differ.
+is the same, n-best entries after the first may differ. A second: at the first step after a
+target prefix CT2 lets only the best candidate end the sentence (its issue #277), ours any
+candidate inside the beam; with beam 1 the two are the same.
 
 Token ids cross as SentencePiece pieces: the model folder's shared_vocabulary.json lists the
 pieces in id order, so CT2's token index is our id and the mapping is read from the very file
@@ -79,12 +83,13 @@ class Ct2Translator:
     def translate(self, sources: list[list[int]], *, beam: int = 4, length_penalty: float = 1.0,
                   max_len_a: float = 1.5, max_len_b: int = 10, max_length: int | None = None,
                   min_length: int = 0, n_best: int = 1, no_repeat_ngram_size: int = 0,
-                  return_scores: bool = True, max_batch_size: int = 0) -> list[list[Translation]]:
+                  return_scores: bool = True, max_batch_size: int = 0,
+                  prefixes: list[list[int]] | None = None) -> list[list[Translation]]:
         """sources: token ids as the model reads them (training.seq2seq.inputs.encode_source: pieces + EOS,
         no padding). Returns, per source, its n_best translations, best first. Output lengths
         count EOS: at most max_length (or a * src_len + b) tokens, at least min_length before EOS.
         max_batch_size > 0 cuts the call into sub-batches, which CTranslate2's replicas decode in
-        parallel."""
+        parallel. `prefixes`: per source, target ids its outputs begin with (empty: none)."""
         if beam < 1 or not 1 <= n_best <= beam:
             raise ValueError(f"need beam >= 1 and 1 <= n_best <= beam (got beam {beam}, n_best {n_best})")
         if min_length < 0 or no_repeat_ngram_size < 0:
@@ -94,6 +99,9 @@ class Ct2Translator:
         if limits and min(limits) < max(min_length, 1):
             raise ValueError(f"the max output length ({min(limits)}) must be >= max(min_length, 1) = "
                              f"{max(min_length, 1)}")
+        if prefixes is not None and len(prefixes) != len(sources):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources")
+        prefix_pieces = [[self.pieces[t] for t in p] or None for p in prefixes] if prefixes else None
         groups = defaultdict(list)
         for i, limit in enumerate(limits):
             groups[limit].append(i)
@@ -103,7 +111,8 @@ class Ct2Translator:
                 [tokens[i] for i in members], beam_size=beam, num_hypotheses=n_best,
                 length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                 max_decoding_length=limit, min_decoding_length=min_length, max_input_length=0,
-                return_scores=return_scores, return_end_token=True, max_batch_size=max_batch_size)
+                return_scores=return_scores, return_end_token=True, max_batch_size=max_batch_size,
+                target_prefix=[prefix_pieces[i] for i in members] if prefix_pieces else None)
             for i, result in zip(members, results):
                 scores = result.scores if return_scores else [None] * len(result.hypotheses)
                 out[i] = [Translation(self._ids(h), s) for h, s in zip(result.hypotheses, scores)]

@@ -24,7 +24,7 @@ END_OF_SENTENCE: FinishReason
 LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("beam_size", "length_penalty", "max_length", "max_length_ratio", "max_length_offset", "min_length", "n_best", "return_scores", "no_repeat_ngram_size", "return_diagnostics")
+    __slots__ = ("beam_size", "length_penalty", "max_length", "max_length_ratio", "max_length_offset", "min_length", "n_best", "return_scores", "no_repeat_ngram_size", "return_diagnostics", "target_prefix")
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DecodingOptions(_message.Message):
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     RETURN_DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
     beam_size: int
     length_penalty: float
     max_length: int
@@ -45,10 +46,11 @@ class DecodingOptions(_message.Message):
     return_scores: bool
     no_repeat_ngram_size: int
     return_diagnostics: bool
-    def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ...) -> None: ...
+    target_prefix: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ..., target_prefix: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format")
+    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format", "stream_sentences")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class TranslateRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     AS_ONE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SENTENCES_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     source_language: str
     target_language: str
@@ -63,7 +66,8 @@ class TranslateRequest(_message.Message):
     options: DecodingOptions
     as_one_sequence: bool
     format: TextFormat
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ..., format: _Optional[_Union[TextFormat, str]] = ...) -> None: ...
+    stream_sentences: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ..., format: _Optional[_Union[TextFormat, str]] = ..., stream_sentences: _Optional[bool] = ...) -> None: ...
 
 class SummarizeRequest(_message.Message):
     __slots__ = ("texts", "model", "options")
@@ -98,7 +102,7 @@ class Diagnostics(_message.Message):
     def __init__(self, gate: _Optional[_Iterable[float]] = ..., routing_agreement: _Optional[float] = ...) -> None: ...
 
 class TextResult(_message.Message):
-    __slots__ = ("index", "hypotheses", "diagnostics", "source_tokens", "encoder_cache_hit", "result_cache_hit", "truncated", "sentences")
+    __slots__ = ("index", "hypotheses", "diagnostics", "source_tokens", "encoder_cache_hit", "result_cache_hit", "truncated", "sentences", "partial", "sentence")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HYPOTHESES_FIELD_NUMBER: _ClassVar[int]
     DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +111,8 @@ class TextResult(_message.Message):
     RESULT_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     SENTENCES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    SENTENCE_FIELD_NUMBER: _ClassVar[int]
     index: int
     hypotheses: _containers.RepeatedCompositeFieldContainer[Hypothesis]
     diagnostics: Diagnostics
@@ -115,7 +121,9 @@ class TextResult(_message.Message):
     result_cache_hit: bool
     truncated: bool
     sentences: int
-    def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., result_cache_hit: _Optional[bool] = ..., truncated: _Optional[bool] = ..., sentences: _Optional[int] = ...) -> None: ...
+    partial: bool
+    sentence: int
+    def __init__(self, index: _Optional[int] = ..., hypotheses: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., diagnostics: _Optional[_Union[Diagnostics, _Mapping]] = ..., source_tokens: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., result_cache_hit: _Optional[bool] = ..., truncated: _Optional[bool] = ..., sentences: _Optional[int] = ..., partial: _Optional[bool] = ..., sentence: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("model", "model_version", "results", "source_language")

@@ -75,14 +75,16 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TranslateStream(self, request, context):
-        """The same, streamed: one response per text as soon as it is finished (any order; see `index`).
+        """The same, streamed: one response per text as soon as it is finished (any order; see `index`);
+        with stream_sentences, also each sentence as soon as it is (TextResult.partial).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Summarize(self, request, context):
-        """Summarise every text (headline, e-mail subject, ...).
+        """Summarise every text (headline, e-mail subject, ...); a text over the model's max_input_pieces
+        is summarised from its first sentence (chosen by measurement: docs/DOCUMENTS.md), `truncated` set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,8 +42,11 @@ class Client:
                                       options=decoding_options(**options))
         return self.stub.Translate(request, timeout=self.timeout, metadata=self.metadata)
 
-    def translate_stream(self, texts: list[str], target: str = "", source: str = "", model: str = "", **options):
+    def translate_stream(self, texts: list[str], target: str = "", source: str = "", model: str = "",
+                         stream_sentences: bool = False, html: bool = False, **options):
+        """One response per text as it finishes; with stream_sentences, each sentence before it (partial)."""
         request = pb.TranslateRequest(texts=texts, source_language=source, target_language=target, model=model,
+                                      stream_sentences=stream_sentences, format=pb.HTML if html else pb.TEXT,
                                       options=decoding_options(**options))
         return self.stub.TranslateStream(request, timeout=self.timeout, metadata=self.metadata)
 
@@ -70,9 +73,12 @@ class Client:
 
 
 def decoding_options(**options) -> pb.DecodingOptions:
+    """target_prefix may be one text (for every text) or a list (one for every text, or one each)."""
     unknown = sorted(set(options) - OPTION_FIELDS)
     if unknown:
         raise TypeError(f"unknown decoding options {unknown}; known: {sorted(OPTION_FIELDS)}")
+    if isinstance(options.get("target_prefix"), str):
+        options["target_prefix"] = [options["target_prefix"]]
     return pb.DecodingOptions(**{k: v for k, v in options.items() if v is not None})
 
 
@@ -102,6 +108,8 @@ def main(argv=None) -> int:
             c.add_argument("--to", dest="target", default="")
             c.add_argument("--html", action="store_true",
                            help="the texts are HTML: translate the text, keep the markup")
+        c.add_argument("--prefix", help="the output begins with this text (each text's, or each document's "
+                                         "first sentence's)")
         c.add_argument("--beam", type=int)
         c.add_argument("--n-best", type=int)
         c.add_argument("--scores", action="store_true")
@@ -121,7 +129,7 @@ def main(argv=None) -> int:
                       f"{m.backend} {m.precision}\tversion {m.version}{default}")
             return 0
         texts = args.texts or stdin_texts(args.command)
-        options = dict(beam_size=args.beam, n_best=args.n_best, return_scores=args.scores)
+        options = dict(beam_size=args.beam, n_best=args.n_best, return_scores=args.scores, target_prefix=args.prefix)
         if args.command == "translate":
             response = client.translate(texts, args.target, args.source, args.model, html=args.html, **options)
         else:

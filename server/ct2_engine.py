@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 from training.seq2seq.beam import Hypothesis
 
@@ -25,9 +26,9 @@ class Ct2Engine(Engine):
         start = time.monotonic()
         for s in seqs:
             s.admitted = s.encoded = start
-        groups = defaultdict(list)  # CT2 takes one length limit per call
+        groups = defaultdict(list)  # CT2 takes one length limit per call, and a prefix per text
         for s in seqs:
-            groups[s.options, s.max_len].append(s)
+            groups[replace(s.options, prefix=()), s.max_len].append(s)
         try:
             for (options, limit), members in groups.items():
                 self._translate(options, limit, members)
@@ -44,7 +45,8 @@ class Ct2Engine(Engine):
         is passed as CT2's absolute limit, so both engines stop at the same length."""
         results = self.backend.translate(
             [s.src for s in seqs], beam=options.beam, length_penalty=options.length_penalty, max_length=limit,
-            min_length=options.min_length, n_best=options.n_best, no_repeat_ngram_size=options.no_repeat_ngram)
+            min_length=options.min_length, n_best=options.n_best, no_repeat_ngram_size=options.no_repeat_ngram,
+            prefixes=[list(s.options.prefix) for s in seqs] if any(s.options.prefix for s in seqs) else None)
         for s, n_best in zip(seqs, results):
             for t in n_best:
                 length = len(t.tokens) + 1  # EOS counts, as in the stepping engine

@@ -7,6 +7,10 @@ were. The rules, in order:
   1. every line break ends a segment (SentencePiece reads a newline as a space, and a list or a
      poem must keep its lines);
   2. each line is split into sentences by sentencex (chosen by measurement: docs/DOCUMENTS.md);
+     where sentencex never starts a sentence with a digit (German, for its ordinals: 'am 2. Mai'),
+     a digit after a word's full stop starts one all the same wherever sentencex would split
+     before a word there ('Landschaft. 2 Mädchen'), unless the word is an abbreviation that
+     stands before numbers ('Abb. 2', 'Nr. 5', 'S. 12': NUMBERED);
   3. a sentence longer than the model accepts is split after clause punctuation (, ; : and
      dashes followed by a space), clauses packed greedily into segments that fit;
   4. a clause that still does not fit stays whole: the caller truncates it and says so.
@@ -15,12 +19,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import sentencex
 
 LINES = re.compile(r"[^\r\n\u2028\u2029\x85\x0b\x0c]+")  # what str.splitlines() splits on, kept as gaps
 CLAUSE_ENDS = re.compile(r"[,;:\u2013\u2014](?=\s)")  # a clause may end after these, before a space
+DIGIT_AFTER_STOP = re.compile(r"(?<=[^\W\d_])([.!?]+[\"'\u201c\u201d\u00bb\u00ab)]*\s+)\d")  # 'Landschaft. 2'
+NUMBERED = re.compile(r"(?i:\b(?:abb|abs|anm|art|aufl|bd|bsp|fig|fn|hft|jg|jh|kap|nr|no|pp?|rn|sp|tab|tel|vol|"
+                      r"ziff|s|\w*str))\.\S*\s+$")  # abbreviations that stand before a number
 
 
 @dataclass
@@ -58,11 +66,34 @@ def sentence_spans(text: str, language: str, by_line: bool = True) -> list[tuple
     """(start, end) of each sentence, whitespace excluded (line by line, if `by_line`)."""
     spans = []
     for line in LINES.finditer(text) if by_line else [re.match(r"(?s).*", text)]:
-        for b in sentencex.get_sentence_boundaries(language, line.group()):
-            span = strip(text, line.start() + b["start_index"], line.start() + b["end_index"])
+        starts = sentence_starts(line.group(), language)
+        for start, end in zip(starts, starts[1:] + [len(line.group())]):
+            span = strip(text, line.start() + start, line.start() + end)
             if span:
                 spans.append(span)
     return spans
+
+
+def sentence_starts(line: str, language: str) -> list[int]:
+    """Where sentencex starts the line's sentences, and (rule 2) where a sentence that starts with
+    a digit begins, in a language whose sentencex rules never start one there."""
+    starts = [b["start_index"] for b in sentencex.get_sentence_boundaries(language, line)]
+    if not starts or not _no_digit_starts(language):
+        return starts
+    digits = [m.end(1) for m in DIGIT_AFTER_STOP.finditer(line) if not NUMBERED.search(line, 0, m.end(1))]
+    if not digits:
+        return starts
+    masked = list(line)
+    for at in digits:
+        masked[at] = "X"  # a capital: would sentencex split before a word here?
+    found = {b["start_index"] for b in sentencex.get_sentence_boundaries(language, "".join(masked))}
+    return sorted(set(starts) | (found & set(digits)))
+
+
+@lru_cache(maxsize=None)
+def _no_digit_starts(language: str) -> bool:
+    probe = "Sie laufen. 2 Hunde laufen."
+    return len(sentencex.get_sentence_boundaries(language, probe)) == 1
 
 
 def fit(text: str, span: tuple[int, int], fits: Callable[[str], bool]) -> list[tuple[int, int]]:
@@ -71,7 +102,7 @@ def fit(text: str, span: tuple[int, int], fits: Callable[[str], bool]) -> list[t
     start, end = span
     if fits(text[start:end]):
         return [span]
-    cuts = [start + m.end() for m in CLAUSE_ENDS.finditer(text, start, end)] + [end]
+    cuts = [m.end() for m in CLAUSE_ENDS.finditer(text, start, end)] + [end]  # finditer gives offsets in text
     segments, begin, last = [], start, None  # `last`: the furthest cut that still fits from `begin`
     for cut in cuts:
         if last is not None and not fits(text[begin:cut]):

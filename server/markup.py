@@ -164,6 +164,11 @@ def segment_html(source: str, language: str, fits: Callable[[str], bool]) -> Htm
     return HtmlLayout(parts)
 
 
+def text_of(source: str) -> str:
+    """A document's text without its markup (what language detection reads)."""
+    return "".join(stand_in(p) for p in _Pieces(source).pieces() if p.kind in (TEXT, OTHER))
+
+
 def stand_in(piece: Piece) -> str:
     """What a piece is in a block's plain text."""
     return piece.raw if piece.kind == TEXT else " " if piece.kind == OTHER else ""

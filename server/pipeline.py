@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from export.ct2_runtime import Ct2Translator
@@ -52,6 +52,9 @@ class Document:
     sequences: list[Sequence]
     protected: list[Protected]  # per segment: the characters taken out for the model (server.unknowns)
     truncated: bool  # a segment's source was cut to the model's limit
+    prefix: str = ""  # the target prefix as sent: the first segment's output begins with it
+    head: str = ""  # the prefix as the model writes it (its pieces decoded), which the output begins with
+    cut: list[bool] = field(default_factory=list)  # per segment: its source was cut to the model's limit
 
 
 @dataclass
@@ -101,18 +104,25 @@ class Pipeline:
     # ---- text -> sequences -------------------------------------------------------------------
     def documents(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
                   deadline: float | None = None, split: bool | None = None,
-                  truncate: bool | None = None, markup: bool = False) -> list[Document]:
+                  truncate: bool | None = None, markup: bool = False,
+                  prefixes: list[str] | None = None) -> list[Document]:
         """One Document per text, or InputError naming the first bad text and the limit it breaks.
         Translation splits each text into sentences (server.documents); summaries, and `split=False`,
         read each text whole; `markup` texts are HTML (server.markup: always split). A segment over
         the model's limit is truncated (and the document says so) where `truncate`, by default when
-        splitting or summarising (as in training); otherwise it is refused."""
+        splitting or summarising (as in training); otherwise it is refused. A summary of a text over
+        the limit reads the text's first sentence (server.documents; cut to the limit if that alone
+        is longer) and says `truncated`; with `truncate` given, the first pieces that fit instead.
+        `prefixes` (the request's target_prefix: none, one for every text, or one per text) begin
+        each text's first segment."""
         limits = self.limits
         if not texts:
             raise InputError("no texts: send at least one")
         if len(texts) > limits.max_texts:
             raise InputError(f"{len(texts)} texts in one call; the limit is {limits.max_texts}")
+        prefixes = self._prefixes(prefixes or [], len(texts))
         split = not self.summarize if split is None else split
+        leads = self.summarize and truncate is None
         truncate = split or self.summarize if truncate is None else truncate
         docs = []
         for i, text in enumerate(texts):
@@ -127,9 +137,35 @@ class Pipeline:
             if not layout.segments:
                 raise InputError(f"text {i} has no text outside its markup")
             sources = [self._source(part) for part in layout.segments]
-            seqs = [self._sequence(i, source, options, on_done, deadline, truncate) for source in sources]
-            docs.append(Document(layout, seqs, [s.protected for s in sources], any(self._cut(s) for s in sources)))
+            lead = leads and self._cut(sources[0])
+            if lead:  # a text over the window is summarised from its lead sentence (measured: docs/DOCUMENTS.md)
+                sources = [self._source(segment(text, self.entry.source_language, self._fits).segments[0])]
+            pieces = self._prefix_pieces(prefixes[i])
+            seqs = [self._sequence(i, source, replace(options, prefix=tuple(pieces)) if k == 0 and pieces else options,
+                                   on_done, deadline, truncate) for k, source in enumerate(sources)]
+            cut = [lead or self._cut(s) for s in sources]
+            docs.append(Document(layout, seqs, [s.protected for s in sources], any(cut),
+                                 prefixes[i] if prefixes[i].strip() else "", self.entry.sp.decode(pieces), cut))
         return docs
+
+    def _prefixes(self, prefixes: list[str], n: int) -> list[str]:
+        """One target prefix per text ("" for none), or InputError."""
+        if len(prefixes) not in (0, 1, n):
+            raise InputError(f"option target_prefix has {len(prefixes)} entries for {n} texts: send one for every "
+                             f"text, or one per text")
+        for i, prefix in enumerate(prefixes):
+            if len(prefix) > self.limits.max_text_chars:
+                raise InputError(f"option target_prefix {i} has {len(prefix)} characters; the limit is "
+                                 f"{self.limits.max_text_chars}")
+        return prefixes * n if len(prefixes) == 1 else prefixes or [""] * n
+
+    def _prefix_pieces(self, prefix: str) -> list[int]:
+        """A target prefix as the model writes it: in its output style (the input style: a summariser's
+        headlines are written as its articles are read), without the characters it cannot write (the
+        output gets the prefix as sent: Pipeline.outputs; one of those alone forces nothing)."""
+        if not prefix.strip():
+            return []
+        return self.entry.sp.encode(protect(normalize_input(self.entry.input_style, prefix), self.alphabet).text)
 
     def sequences(self, texts: list[str], options: DecodingOptions, on_done: Callable[[Sequence], None],
                   deadline: float | None = None, truncate: bool | None = None) -> list[Sequence]:
@@ -197,9 +233,7 @@ class Pipeline:
         """The document's n-best outputs, best first: output k puts each segment's k-th hypothesis
         (or its last, where it has fewer) back in the text's layout. Score = total log P / total
         length ** length_penalty, each sentence's end counted: for one sentence, its own score."""
-        per_segment = [[(restore(self.entry.sp.decode(h.tokens), protected), h, len(h.tokens) >= s.max_len)
-                        for h in s.hypotheses] or [(restore("", protected), Hypothesis([], 0.0, 0.0), False)]
-                       for s, protected in zip(doc.sequences, doc.protected)]
+        per_segment = [self._segment(doc, k) for k in range(len(doc.sequences))]
         penalty = doc.sequences[0].options.length_penalty
         outputs = []
         for k in range(max(map(len, per_segment))):
@@ -212,11 +246,30 @@ class Pipeline:
                                   any(at_limit for _, _, at_limit in picked)))
         return sorted(outputs, key=lambda o: -o.score)
 
+    def sentence_outputs(self, doc: Document, k: int) -> list[Output]:
+        """Segment k's own n-best outputs (a sentence streamed ahead of its text), best first."""
+        return [Output(text, len(h.tokens), h.score, h.log_prob, at_limit)
+                for text, h, at_limit in self._segment(doc, k)]
+
+    def _segment(self, doc: Document, k: int) -> list[tuple[str, Hypothesis, bool]]:
+        """Segment k's hypotheses as (text, hypothesis, stopped at its length limit): the characters
+        the model cannot write put back, the first segment beginning with the prefix as sent."""
+        seq, protected = doc.sequences[k], doc.protected[k]
+
+        def text(tokens: list[int]) -> str:
+            if not (k == 0 and doc.prefix):
+                return restore(self.entry.sp.decode(tokens), protected)
+            output = restore(self.entry.sp.decode(tokens), protected, keep=len(doc.head), given=doc.prefix)
+            return begin_with(doc.prefix, doc.head, output)
+
+        return ([(text(h.tokens), h, len(h.tokens) >= seq.max_len) for h in seq.hypotheses]
+                or [(text([]), Hypothesis([], 0.0, 0.0), False)])
+
     def decode(self, texts: list[str], options: DecodingOptions = DecodingOptions(), truncate: bool | None = None,
-               split: bool = False, markup: bool = False) -> list[str]:
+               split: bool = False, markup: bool = False, prefixes: list[str] | None = None) -> list[str]:
         """Offline: best hypothesis per text (read whole unless `split`), driving the (not started)
         engine on this thread."""
-        docs = self.documents(texts, options, lambda s: None, None, split, truncate, markup)
+        docs = self.documents(texts, options, lambda s: None, None, split, truncate, markup, prefixes)
         seqs = [s for d in docs for s in d.sequences]
         self.engine.submit(seqs)
         self.engine.run_until_idle()
@@ -224,6 +277,13 @@ class Pipeline:
         if failed:
             raise RuntimeError(f"{len(failed)} texts failed: {failed[0].message}")
         return [self.outputs(d)[0].text for d in docs]
+
+
+def begin_with(prefix: str, head: str, output: str) -> str:
+    """The output with its beginning `head` (the prefix as the model wrote it, normalised) replaced
+    by the prefix as sent: the text begins with exactly what the client asked for."""
+    rest = output[len(head):] if head and output.startswith(head) else f" {output}" if output else ""
+    return prefix + (rest.lstrip() if prefix[-1].isspace() else rest)
 
 
 def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "fp32", threads: int = 1,

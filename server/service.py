@@ -29,6 +29,7 @@ from .engine.scheduler import QueueFull
 from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
 from .languages import AUTO, normalize
 from .logs import HEADER, REQUEST_ID, request_id
+from .markup import text_of
 from .metrics import Metrics
 from .pipeline import Document, InputError, Pipeline
 from .registry import ModelNotFound, Registry
@@ -70,6 +71,9 @@ class Call:
     start: float = field(default_factory=time.monotonic)
     pipeline: Pipeline | None = None
     docs: list[Document] = field(default_factory=list)
+    # stream_sentences: (text, its finished sentence) as each sentence ends before its text,
+    # (text, None) once the text is done
+    sentences: asyncio.Queue | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -163,6 +167,11 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def _stream(self, method, task, request, context, source="", target=""):
         async with self._accounted(method, context, Call(self._label(request.model))) as call:
+            if task == "translate" and request.stream_sentences:
+                call.sentences = asyncio.Queue()
+                await self._submit(call, task, request, context, source, target)
+                await self._stream_sentences(call, context)
+                return
             done = await self._submit(call, task, request, context, source, target)
             docs = call.docs
             index = {id(f): i for i, f in enumerate(done)}
@@ -174,14 +183,39 @@ class InferenceService(pb_grpc.InferenceServicer):
                     self._raise_failures(docs[i].sequences)
                     await context.write(self._response(call.pipeline, [await self._result(call.pipeline, i, docs[i])]))
 
+    async def _stream_sentences(self, call: Call, context) -> None:
+        """Each sentence as it ends (partial), each text once all its sentences have (as _stream)."""
+        remaining = len(call.docs)
+        while remaining:
+            i, seq = await call.sentences.get()
+            doc = call.docs[i]
+            if seq is None:
+                remaining -= 1
+                self._raise_failures(doc.sequences)
+                await context.write(self._response(call.pipeline, [await self._result(call.pipeline, i, doc)]))
+            else:
+                await context.write(self._response(call.pipeline, [self._partial(call.pipeline, i, doc, seq)]))
+
+    @staticmethod
+    def _partial(pipeline: Pipeline, index: int, doc: Document, seq: Sequence) -> pb.TextResult:
+        k = doc.sequences.index(seq)
+        scores = seq.options.return_scores
+        hyps = [pb.Hypothesis(text=o.text, tokens=o.tokens, score=o.score if scores else 0.0,
+                              log_prob=o.log_prob if scores else 0.0,
+                              finish_reason=pb.LENGTH if o.at_limit else pb.END_OF_SENTENCE)
+                for o in pipeline.sentence_outputs(doc, k)]
+        return pb.TextResult(index=index, hypotheses=hyps, source_tokens=len(seq.src), partial=True, sentence=k,
+                             sentences=len(doc.sequences), encoder_cache_hit=seq.cache_hit,
+                             result_cache_hit=seq.result_cache_hit, truncated=doc.cut[k])
+
     async def _submit(self, call: Call, task, request, context, source, target) -> list[asyncio.Future]:
         """Checks the request and queues its texts (recorded in `call`); one future per text, done
         when all the text's sequences are."""
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         if task == "translate" and not request.model and normalize(source) == AUTO:
-            source = await asyncio.get_running_loop().run_in_executor(
-                None, self.registry.detect_source, list(request.texts), target)
+            texts = [text_of(t) for t in request.texts] if request.format == pb.HTML else list(request.texts)
+            source = await asyncio.get_running_loop().run_in_executor(None, self.registry.detect_source, texts, target)
         try:
             pipeline = self.registry.find(task, request.model, source, target)
         except ModelNotFound as e:
@@ -190,6 +224,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             options = decoding_options(request.options).check(pipeline.limits)
             if options.diagnostics:
                 pipeline.check_diagnostics()
+            if task == "translate" and request.format not in pb.TextFormat.values():
+                raise InputError(f"format {request.format} is not a TextFormat: use one of "
+                                 f"{', '.join(pb.TextFormat.keys())}")
         except (OptionError, InputError) as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         remaining = context.time_remaining()
@@ -198,25 +235,32 @@ class InferenceService(pb_grpc.InferenceServicer):
         texts = list(request.texts)
         split = task == "translate" and not request.as_one_sequence
         markup = task == "translate" and request.format == pb.HTML
+        prefixes = list(request.options.target_prefix)
         futures = [loop.create_future() for _ in texts]
         owner: dict[int, int] = {}  # sequence id -> its text's index
 
         def on_done(seq: Sequence) -> None:  # engine thread
-            loop.call_soon_threadsafe(settle, owner[seq.id])
+            loop.call_soon_threadsafe(settle, owner[seq.id], seq)
 
-        def settle(i: int) -> None:  # event loop
+        def settle(i: int, seq: Sequence) -> None:  # event loop
             doc = call.docs[i]
-            if all(s.status is not None for s in doc.sequences) and not futures[i].done():
+            if futures[i].done():
+                return
+            if all(s.status is not None for s in doc.sequences):
                 status = next((s.status for s in doc.sequences if s.status != OK), OK)
                 self.metrics.text_finished(pipeline.entry.name, status)
                 futures[i].set_result(None)
+                if call.sentences is not None:
+                    call.sentences.put_nowait((i, None))
+            elif call.sentences is not None and seq.status == OK:
+                call.sentences.put_nowait((i, seq))
 
         try:
             if pipeline.entry.cfg.pos_tags:  # tagging is slow: keep it off the event loop
                 docs = await loop.run_in_executor(None, pipeline.documents, texts, options, on_done, deadline, split,
-                                                  None, markup)
+                                                  None, markup, prefixes)
             else:
-                docs = pipeline.documents(texts, options, on_done, deadline, split, markup=markup)
+                docs = pipeline.documents(texts, options, on_done, deadline, split, markup=markup, prefixes=prefixes)
         except InputError as e:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         owner.update({s.id: i for i, d in enumerate(docs) for s in d.sequences})

@@ -80,18 +80,27 @@ def foreign_spans(text: str, alphabet: Alphabet) -> list[tuple[int, int]]:
     return spans
 
 
-def restore(output: str, protected: Protected) -> str:
+def restore(output: str, protected: Protected, keep: int = 0, given: str = "") -> str:
     """The output with the runs put back (module docstring); a sentence that was all runs comes
-    back as it was, since the model had nothing to translate."""
-    if not protected.runs:
+    back as it was, since the model had nothing to translate. With a target prefix, the output's
+    first `keep` characters (the prefix) stay as they are, runs go after them, and a run the prefix
+    as sent (`given`) already holds is not put back a second time."""
+    runs = []
+    for run in protected.runs:
+        if run.text in given:
+            given = given.replace(run.text, "", 1)
+        else:
+            runs.append(run)
+    if protected.runs and not protected.text:
+        return " ".join(run.text for run in runs)
+    if not runs:
         return output
-    if not protected.text:
-        return " ".join(run.text for run in protected.runs)
     starts = [m.start() for m in COUNTED.finditer(output)]
-    stop = FINAL_STOP.search(output)
+    first = next((k for k, start in enumerate(starts) if start >= keep), len(starts))  # the first word it may go before
+    stop = FINAL_STOP.search(output, keep)
     end = stop.start() if stop else len(output)
-    for run in reversed(protected.runs):  # from the back, so that earlier positions stay valid
-        k = round(run.at * len(starts))
+    for run in reversed(runs):  # from the back, so that earlier positions stay valid
+        k = max(first, round(run.at * len(starts)))
         if k < len(starts):
             output = f"{output[:starts[k]]}{run.text} {output[starts[k]:]}"
         else:

@@ -125,6 +125,28 @@ def test_random_weights_and_padded_batches_match_pytorch(name, tmp_path, spm_byt
     assert ct2_hypotheses(actual) == hypotheses(expected)
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_target_prefix_is_forced_as_in_pytorch(tmp_path, spm_bytes, beam):
+    """CT2's target_prefix against training.seq2seq.search with the same prefixes (training.seq2seq.beam.force_prefix):
+    the same n-best and scores, a sentence without a prefix beside sentences with one. With beam > 1
+    CT2 lets only the best candidate end a sentence at the step after its prefix (ct2_runtime's
+    docstring); on these sentences none wants to end there, so the outputs are the same."""
+    torch.manual_seed(0)
+    model = perturb(Seq2Seq(tiny_config("vanilla", vocab_size=100)))
+    save_checkpoint(tmp_path / "ck", model, Checkpoint(model.cfg, DataConfig()), spm_bytes)
+    export_main(["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "repo"), "--format", "ct2"])
+    src, _ = random_batch(model.cfg, [6, 4, 9, 7], seed=3)
+    sources = [row[row != model.cfg.pad_id].tolist() for row in src]
+    prefixes = [[5, 9, 5], [], [17], [30, 31, 32, 33, 34, 35]]
+    expected = search.beam_search(model, src, beam=beam, n_best=beam, max_len_a=0, max_len_b=12, prefixes=prefixes)
+    actual = Ct2Translator(tmp_path / "repo").translate(sources, beam=beam, n_best=beam, max_len_a=0, max_len_b=12,
+                                                        prefixes=prefixes)
+    assert ct2_hypotheses(actual) == hypotheses(expected)
+    for hyps, ref, prefix in zip(actual, expected, prefixes):
+        assert all(t.tokens[:len(prefix)] == prefix for t in hyps)
+        assert [t.score for t in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
+
+
 # ---- refusals ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_other_architectures_are_refused_with_the_reason(name, tmp_path, spm_bytes, capsys):

@@ -1,18 +1,20 @@
 """Documents in, documents out: segmentation keeps every character of the layout, the real server
 translates texts of many sentences and paragraphs in one call (as the sentences one by one, put
 back in place), says when it cut a source or stopped at the length limit, and normalises language
-codes; the CLI translates stdin as one document."""
+codes; the CLI translates stdin as one document; a target prefix begins a text's output."""
 from __future__ import annotations
 
 import io
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proto import gret_serve_pb2 as pb
 from server import client as client_cli
 from server.client import Client
-from server.documents import segment, whole
+from server.documents import CLAUSE_ENDS, segment, whole
 from server.languages import normalize
 from server.markup import markup_of, segment_html
 from server.unknowns import Alphabet, protect, restore
@@ -45,11 +47,43 @@ def test_sentences_and_lines_are_segments():
         "Ein Hund läuft.", "Dr. Müller kommt.", "Zeile zwei"]
 
 
+@pytest.mark.parametrize("text, segments", [
+    ("Leute fahren durch eine Landschaft. 2 Mädchen sitzen. Ein Tisch, der bemalt ist. 3 Jungen stehen.",
+     ["Leute fahren durch eine Landschaft.", "2 Mädchen sitzen.", "Ein Tisch, der bemalt ist.", "3 Jungen stehen."]),
+    ("Sie rief „Komm!“ 3 Leute kamen.", ["Sie rief „Komm!“", "3 Leute kamen."]),
+    ("Am 2. Mai kam er. Es kostet ca. 2 Euro. Siehe Abb. 4 und Nr. 5 in der Hauptstr. 7, z. B. 8 Leute.",
+     ["Am 2. Mai kam er.", "Es kostet ca. 2 Euro.", "Siehe Abb. 4 und Nr. 5 in der Hauptstr. 7, z. B. 8 Leute."]),
+])
+def test_a_german_sentence_may_start_with_a_digit_but_not_after_an_ordinal_or_abbreviation(text, segments):
+    assert segment(text, "de", lambda s: True).segments == segments
+
+
 def test_a_sentence_too_long_is_split_at_clauses_that_fit():
     text = "eins, zwei, drei; vier: fünf sechs sieben, acht."
     layout = segment(text, "de", lambda s: len(s) <= 12)
     assert layout.segments == ["eins, zwei,", "drei; vier:", "fünf sechs sieben,", "acht."]
     assert layout.join(layout.segments) == text
+
+
+def test_a_long_sentence_after_others_is_split_at_its_own_clauses():
+    text = "Ja. Nein.\n\neins, zwei, drei; vier: fünf sechs sieben, acht."
+    layout = segment(text, "de", lambda s: len(s) <= 12)
+    assert layout.segments == ["Ja.", "Nein.", "eins, zwei,", "drei; vier:", "fünf sechs sieben,", "acht."]
+    assert layout.join(layout.segments) == text
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.sampled_from(["Hund", "Männer", "2", "laufen", ",", ";", ":", " –", ".", "!", " ", " ", " ", "\n",
+                                 "\n\n", "Dr.", "z. B."]), max_size=60).map("".join))
+def test_any_text_is_cut_where_the_rules_say_and_put_back_whole(text):
+    """Rules 1-4 of server.documents on any text: the layout gives the text back, and a segment too
+    long for the model is a single clause (it holds no clause end before its last character)."""
+    fits = lambda s: len(s) <= 12  # noqa: E731
+    layout = segment(text, "de", fits)
+    assert layout.join(layout.segments) == text
+    assert all(s == s.strip() and s and "\n" not in s for s in layout.segments)
+    for s in layout.segments:
+        assert fits(s) or not any(m.end() < len(s) for m in CLAUSE_ENDS.finditer(s)), s
 
 
 def test_a_clause_that_cannot_fit_stays_whole():
@@ -192,6 +226,31 @@ def test_streaming_sends_each_document_once(client):
 
 
 @pytest.mark.slow  # a real server
+@pytest.mark.parametrize("html", [False, True])
+def test_streaming_sentences_sends_each_as_partial_before_its_text(client, html):
+    """"Ja." ends many decoding steps before the long sentence after it, so it is sent apart,
+    marked partial, as it is translated alone; each text still comes once, whole, after its
+    sentences; a one-sentence text only whole."""
+    long = " ".join(german(3, offset=150)).replace(".", ",")[:-1] + "."
+    text = f"<p>Ja. <b>{long}</b></p>" if html else f"Ja.\n\nNein. {long}"
+    sentences = ["Ja.", long] if html else ["Ja.", "Nein.", long]
+    events = [r.results[0] for r in client.translate_stream([text, "Ein Hund."], target="en", beam_size=2, html=html,
+                                                            stream_sentences=True)]
+    final = {r.index: r for r in events if not r.partial}
+    assert sorted(final) == [0, 1] and len(events) - sum(r.partial for r in events) == 2
+    unary = client.translate([text, "Ein Hund."], target="en", beam_size=2, html=html).results
+    assert [final[i].hypotheses[0].text for i in (0, 1)] == [r.hypotheses[0].text for r in unary]
+    alone = client.translate(sentences, target="en", beam_size=2, as_one_sequence=True).results
+    partial = [r for r in events if r.partial]
+    assert partial and partial[0].sentence == 0  # a scheduling fact: "Ja." ends ~20 decoder steps earlier
+    for r in partial:
+        assert (r.index, r.sentences) == (0, len(sentences)) and r.sentence < len(sentences) - 1
+        assert r.hypotheses[0].text == alone[r.sentence].hypotheses[0].text
+        assert events.index(r) < events.index(final[0])
+    assert len({r.sentence for r in partial}) == len(partial)
+
+
+@pytest.mark.slow  # a real server
 def test_metrics_count_texts_and_sentences(client, server):
     def count(name: str) -> float:
         return server.metrics.registry.get_sample_value(name, {"model": "tiny-de-en", "status": "ok"}) or 0.0
@@ -246,9 +305,64 @@ def test_html_comes_back_with_identical_markup(client):
 
 
 @pytest.mark.slow  # a real server
+def test_auto_reads_an_html_documents_text_not_its_markup(client):
+    page = ('<p title="Ein Hund läuft über die Wiese und ein Mann schaut zu, während die Kinder im Garten spielen">'
+            'A dog runs across the meadow and a man watches.</p>')
+    response = client.translate([page], source="auto", html=True, beam_size=1)
+    assert (response.source_language, response.model) == ("en", "tiny-en-de")
+
+
+@pytest.mark.slow  # a real server
 @pytest.mark.parametrize("text, detected, model", [
     ("Ein Hund läuft über die Wiese und ein Mann schaut zu.", "de", "tiny-de-en"),
     ("A dog runs across the meadow and a man watches.", "en", "tiny-en-de")])
 def test_auto_detects_the_source_language(client, text, detected, model):
     response = client.translate([text], source="auto")
     assert (response.source_language, response.model) == (detected, model)
+
+
+# ---- target prefix ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # a real server
+def test_a_target_prefix_begins_each_text_and_only_a_documents_first_sentence(client):
+    sentences = german(4, offset=110)
+    text = "  " + document(sentences)
+    results = client.translate([text, sentences[0]], target="en", beam_size=2, target_prefix="A dog").results
+    first = client.translate(sentences[:1], target="en", beam_size=2, as_one_sequence=True,
+                             target_prefix="A dog").results[0].hypotheses[0].text
+    rest = client.translate(sentences[1:], target="en", beam_size=2, as_one_sequence=True).results
+    assert first.startswith("A dog") and results[1].hypotheses[0].text == first
+    layout = segment(text, "de", lambda s: True)
+    assert results[0].hypotheses[0].text == layout.join([first] + [r.hypotheses[0].text for r in rest])
+    assert results[0].hypotheses[0].text.startswith("  A dog")  # after the text's own leading whitespace
+    n_best = client.translate(sentences[1:3], target="en", beam_size=3, n_best=3, target_prefix="Two").results
+    assert all(h.text.startswith("Two") for r in n_best for h in r.hypotheses)
+
+
+@pytest.mark.slow  # a real server
+def test_a_prefix_per_text_comes_back_as_sent(client):
+    texts = german(3, offset=120)
+    plain = client.translate(texts, target="en", beam_size=2).results
+    prefixes = ["The  man ", "", "Ein 😀 & <b>"]  # spaces as sent, none, characters the model cannot write
+    results = client.translate(texts, target="en", beam_size=2, target_prefix=prefixes).results
+    first = results[0].hypotheses[0].text
+    assert first.startswith("The  man ") and not first[9:].startswith(" ")  # no second space after the prefix
+    assert results[1].hypotheses[0].text == plain[1].hypotheses[0].text
+    assert results[2].hypotheses[0].text.startswith("Ein 😀 & <b>")
+    headline = client.summarize(["japan 's exports rose for a third month in october , the ministry said ."],
+                                beam_size=2, target_prefix="Japan's").results[0].hypotheses[0].text
+    assert headline.startswith("Japan's")  # the model reads it in its style ('japan 's'); it comes back as sent
+
+
+@pytest.mark.slow  # a real server
+def test_a_prefix_longer_than_the_output_limit_or_one_too_many_is_refused(client, server):
+    prefix = "Ein Mann und eine Frau laufen mit zwei Hunden"
+    pieces = len(server.registry.pipelines["tiny-de-en"].entry.sp.encode(prefix))
+    with pytest.raises(grpc.RpcError) as info:
+        client.translate(["Ein Hund.", "Eine Katze."], target="en", max_length=5, target_prefix=["", prefix])
+    assert info.value.code() == CODE.INVALID_ARGUMENT
+    assert (f"text 1: option target_prefix is {pieces} pieces, not shorter than the output limit of 5 tokens"
+            in info.value.details())
+    with pytest.raises(grpc.RpcError) as info:
+        client.translate(["Ein Hund.", "Eine Katze.", "Ein Pferd."], target="en", target_prefix=["A", "B"])
+    assert info.value.code() == CODE.INVALID_ARGUMENT
+    assert "option target_prefix has 2 entries for 3 texts" in info.value.details()

@@ -43,11 +43,36 @@ def make_seq(model, src, options=DecodingOptions(), **kw) -> Sequence:
 def offline(model, src, options: DecodingOptions) -> list[search.Hypothesis]:
     """training.seq2seq.search.beam_search on this one sentence: the reference answer."""
     return search.beam_search(model, torch.tensor([src]), beam=options.beam, length_penalty=options.length_penalty,
-                              max_len_a=options.max_len_a, max_len_b=options.max_len_b, n_best=options.n_best)[0]
+                              max_len_a=options.max_len_a, max_len_b=options.max_len_b, n_best=options.n_best,
+                              prefixes=[list(options.prefix)])[0]
 
 
 def engine_for(model, policy="continuous", **kw) -> Engine:
     return Engine(TorchBackend(model), "v1", Scheduler(policy, **kw), EncoderCache(1 << 24))
+
+
+def staggered(model, srcs, options) -> tuple[Engine, list[Sequence]]:
+    """The texts joining one running batch at different steps: two, two steps later two more (the
+    first two still running), a step later the rest; run until all are done."""
+    engine = engine_for(model)
+    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
+    engine.submit(seqs[:2])
+    engine.iterate()
+    engine.iterate()
+    engine.submit(seqs[2:4])
+    engine.iterate()
+    engine.submit(seqs[4:])
+    engine.run_until_idle()
+    return engine, seqs
+
+
+def assert_offline(model, seqs, srcs, options) -> None:
+    """Each text got what the offline beam search gives it alone: the same n-best and scores."""
+    for seq, src, opt in zip(seqs, srcs, options):
+        assert seq.status == OK
+        expected = offline(model, src, opt)
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in expected]
+        assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca", "mvpe"])
@@ -56,20 +81,8 @@ def test_texts_joining_at_different_steps_get_their_offline_beam_search_results(
     srcs = sources(model, [7, 3, 9, 5, 6])
     options = [DecodingOptions(beam=4), DecodingOptions(beam=2), DecodingOptions(beam=1),
                DecodingOptions(beam=3, length_penalty=0.6, n_best=3), DecodingOptions(beam=5, max_len_b=4)]
-    engine = engine_for(model)
-    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
-    engine.submit(seqs[:2])
-    engine.iterate()
-    engine.iterate()
-    engine.submit(seqs[2:4])  # join a batch two steps in
-    engine.iterate()
-    engine.submit(seqs[4:])
-    engine.run_until_idle()
-    for seq, src, opt in zip(seqs, srcs, options):
-        assert seq.status == OK
-        expected = offline(model, src, opt)
-        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in expected]
-        assert [h.score for h in seq.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-4)
+    _, seqs = staggered(model, srcs, options)
+    assert_offline(model, seqs, srcs, options)
 
 
 def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
@@ -168,6 +181,43 @@ def test_min_length_and_no_repeat_ngram_constrain_the_output():
     tokens = no_repeat.hypotheses[0].tokens
     bigrams = list(zip(tokens, tokens[1:]))
     assert len(bigrams) == len(set(bigrams))
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gret_full"])
+def test_a_target_prefix_is_forced_in_the_running_batch_as_in_offline_search(name):
+    """Texts with and without prefixes (of 1 to 6 pieces, one a piece short of its output limit)
+    join a running batch at different steps; each gets offline search with the same prefix: its
+    hypotheses begin with the prefix and are scored on what follows it."""
+    model = tiny_model(name)
+    srcs = sources(model, [7, 3, 9, 5, 6, 4], seed=4)
+    options = [DecodingOptions(beam=4, n_best=2, prefix=(5, 9, 5)), DecodingOptions(beam=2),
+               DecodingOptions(beam=1, prefix=(17,)), DecodingOptions(beam=3, length_penalty=0.6, prefix=(8, 8)),
+               DecodingOptions(beam=5, n_best=5, prefix=(30, 31, 32, 33, 34, 35)),
+               DecodingOptions(beam=2, n_best=2, max_len_a=0, max_len_b=4, prefix=(6, 7, 8))]
+    engine, seqs = staggered(model, srcs, options)  # the third and fourth join while the first is in its prefix
+    assert_offline(model, seqs, srcs, options)
+    for seq, opt in zip(seqs, options):
+        assert all(h.tokens[:len(opt.prefix)] == list(opt.prefix) for h in seq.hypotheses)
+    assert [h.tokens[:3] for h in seqs[5].hypotheses] == [[6, 7, 8]] * 2  # one step of its own: n-best all the same
+    assert all(len(h.tokens) <= 4 for h in seqs[5].hypotheses)
+    assert engine.batch.constrained == 0
+
+
+def test_a_prefix_wins_over_no_repeat_ngram_and_min_length_counts_it():
+    """The prefix is forced even where it repeats an n-gram; after it, no n-gram repeats (the
+    prefix's own count); min_length counts the prefix's pieces, as CTranslate2 does."""
+    model = tiny_model()
+    src = sources(model, [6], seed=2)[0]
+    engine = engine_for(model)
+    repeated = make_seq(model, src, DecodingOptions(beam=2, no_repeat_ngram=2, max_len_b=30, prefix=(5, 6, 5, 6)))
+    longer = make_seq(model, src, DecodingOptions(beam=2, min_length=12, max_len_b=20, prefix=(5, 6)))
+    engine.submit([repeated, longer])
+    engine.run_until_idle()
+    tokens = repeated.hypotheses[0].tokens
+    assert tokens[:4] == [5, 6, 5, 6]
+    bigrams = list(zip(tokens[3:], tokens[4:]))  # those that end after the prefix
+    assert (5, 6) not in bigrams[1:] and len(bigrams) == len(set(bigrams))
+    assert longer.hypotheses[0].tokens[:2] == [5, 6] and len(longer.hypotheses[0].tokens) >= 12
 
 
 def test_the_row_topk_matches_torch_and_breaks_ties_to_the_lower_index():
@@ -316,6 +366,12 @@ def test_a_min_length_above_a_texts_output_limit_is_refused_naming_both_numbers(
     assert DecodingOptions(min_length=34).output_limit(16, 255, LIMITS) == 34
     with pytest.raises(OptionError, match="min_length=10 is above the output limit of 5 tokens"):
         DecodingOptions(min_length=10, max_length=5).output_limit(16, 255, LIMITS)
+
+
+def test_a_prefix_as_long_as_a_texts_output_limit_is_refused_naming_both_numbers():
+    with pytest.raises(OptionError, match="target_prefix is 34 pieces, not shorter than the output limit of 34 tokens"):
+        DecodingOptions(prefix=tuple(range(5, 39))).output_limit(16, 255, LIMITS)
+    assert DecodingOptions(prefix=tuple(range(5, 38))).output_limit(16, 255, LIMITS) == 34
 
 
 @pytest.mark.parametrize("name", ["gret_full", "multiview_gca"])

@@ -136,6 +136,14 @@ def test_v1_translate_is_the_grpc_response_as_proto_json(http, grpc_client):
         assert got["hypotheses"][0]["score"] == pytest.approx(want.hypotheses[0].score, abs=1e-5)
 
 
+def test_v1_translate_takes_a_target_prefix_in_its_options(http, grpc_client):
+    status, body, _ = http("/v1/translate", {"texts": GERMAN[:2], "target_language": "en",
+                                             "options": {"target_prefix": ["A man", ""]}})
+    expected = grpc_client.translate(GERMAN[:2], target="en", target_prefix=["A man", ""])
+    assert status == 200 and body["results"][0]["hypotheses"][0]["text"].startswith("A man")
+    assert [r["hypotheses"][0]["text"] for r in body["results"]] == [r.hypotheses[0].text for r in expected.results]
+
+
 def test_v1_summarize_and_models(http, grpc_client):
     article = "japan 's exports rose for a third month in october , the ministry said on monday ."
     status, body, _ = http("/v1/summarize", {"texts": [article]})

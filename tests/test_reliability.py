@@ -32,7 +32,8 @@ from proto import gret_serve_pb2_grpc as pb_grpc
 from server.__main__ import main as server_main
 from server.client import Client
 from server.engine.options import DecodingOptions
-from server.documents import segment
+from server.documents import segment, whole
+from server.markup import segment_html, text_of
 from server.engine.sequence import CANCELLED, DEADLINE
 from server.languages import normalize
 from server.unknowns import Alphabet, protect
@@ -91,16 +92,17 @@ def expected(server: RunningServer, method: str, request) -> Expected:
     else:
         source, target = (normalize(request.source_language), normalize(request.target_language)) \
             if task == "translate" else ("", "")
-        if source == "auto":  # detected among the sources of the models into the target
-            source = server.registry.detect_source(list(request.texts), target)
+        if source == "auto":  # detected among the sources of the models into the target, from text, not markup
+            texts = [text_of(t) for t in request.texts] if markup(request) else list(request.texts)
+            source = server.registry.detect_source(texts, target)
         fits = sorted(n for n, e in models.items() if e.task == task and source in ("", e.source_language)
                       and target in ("", e.target_language))
         if not fits:
             return Expected(CODE.NOT_FOUND)
         name = fits[0]
     problem = (option_problem(request.options) or diagnostics_problem(models[name], request.options)
-               or text_problem(models[name], task, reads_whole(request), list(request.texts),
-                               options_of(request.options)))
+               or format_problem(request)
+               or text_problem(models[name], task, request, options_of(request.options)))
     return Expected(CODE.INVALID_ARGUMENT, about=problem) if problem else Expected(CODE.OK, model=name)
 
 
@@ -128,29 +130,69 @@ def diagnostics_problem(entry, options: pb.DecodingOptions) -> str:
     return "diagnostics" if options.return_diagnostics and not (entry.cfg.gret and entry.checkpoint) else ""
 
 
+def format_problem(request) -> str:
+    """A translation's format is one of the TextFormat values (proto3 lets a client send any number)."""
+    known = not isinstance(request, pb.TranslateRequest) or request.format in pb.TextFormat.values()
+    return "" if known else f"format {request.format} is not a TextFormat"
+
+
 alphabets: dict[str, Alphabet] = {}
 
 
-def pieces(entry, text: str) -> int:
+def pieces(entry, text: str, protected: bool | None = None) -> int:
     """What the model reads of a segment: the text in its input style, and for translation its
-    characters the model cannot write behind placeholders (server.unknowns)."""
+    characters the model cannot write taken out (server.unknowns)."""
     text = normalize_input(entry.input_style, text)
-    if entry.task == "translate":
+    if entry.task == "translate" if protected is None else protected:
         text = protect(text, alphabets.setdefault(entry.name, Alphabet(entry.sp))).text
     return len(entry.sp.encode(text))
 
 
+def prefix_pieces(entry, prefix: str) -> int:
+    """A target prefix as the model writes it: in its style, without the characters it cannot write."""
+    return pieces(entry, prefix, protected=True) if prefix.strip() else 0
+
+
 def reads_whole(request) -> bool:
-    """Summaries, and translations sent as_one_sequence, are decoded unsplit."""
+    """Summaries, and translations sent as_one_sequence, are decoded unsplit (HTML aside)."""
     return not isinstance(request, pb.TranslateRequest) or request.as_one_sequence
 
 
-def segments(entry, whole: bool, text: str) -> list[str]:
-    """What the model decodes of a text: a translation's sentences (server.documents, segments
-    split to fit where they can be), or the whole text."""
-    if whole:
-        return [text]
-    return segment(text, entry.source_language, lambda s: pieces(entry, s) <= entry.max_src_len - 1).segments
+def markup(request) -> bool:
+    return isinstance(request, pb.TranslateRequest) and request.format == pb.HTML
+
+
+def refuses_long(request) -> bool:
+    """Translations sent as_one_sequence refuse a segment over the model's limit; others truncate it."""
+    return isinstance(request, pb.TranslateRequest) and request.as_one_sequence
+
+
+def layout(entry, request, text: str):
+    """How a text is decoded: an HTML document's sentences (server.markup: always split), a
+    translation's sentences (server.documents, segments split to fit where they can be), or the
+    whole text."""
+    fits = lambda s: pieces(entry, s) <= entry.max_src_len - 1  # noqa: E731
+    if markup(request):
+        return segment_html(text, entry.source_language, fits)
+    return whole(text) if reads_whole(request) else segment(text, entry.source_language, fits)
+
+
+def segments(entry, request, text: str) -> list[str]:
+    """What the model reads of a text: its layout's segments; a summary of a text over the window
+    reads the text's first sentence."""
+    if over_window(entry, request, text):
+        return segment(text, entry.source_language, lambda s: pieces(entry, s) <= entry.max_src_len - 1).segments[:1]
+    return layout(entry, request, text).segments
+
+
+def over_window(entry, request, text: str) -> bool:
+    return not isinstance(request, pb.TranslateRequest) and pieces(entry, text) > entry.max_src_len - 1
+
+
+def prefixes_of(request) -> list[str]:
+    """One target prefix per text: none, one for all, or one each."""
+    sent, n = list(request.options.target_prefix), len(request.texts)
+    return sent * n if len(sent) == 1 else sent or [""] * n
 
 
 def source_tokens(entry, text: str) -> int:
@@ -166,34 +208,50 @@ def output_limit(entry, o: dict, source: int) -> int:
     return max(1, limit)
 
 
-def text_problem(entry, task: str, whole: bool, texts: list[str], o: dict) -> str:
+def text_problem(entry, task: str, request, o: dict) -> str:
+    texts, sent = list(request.texts), list(request.options.target_prefix)
     if not texts:
         return "no texts"
     if len(texts) > FUZZ_LIMITS["max_texts"]:
         return f"{len(texts)} texts in one call"
-    for i, text in enumerate(texts):
+    if len(sent) not in (0, 1, len(texts)):
+        return f"option target_prefix has {len(sent)} entries for {len(texts)} texts"
+    for i, prefix in enumerate(sent):
+        if len(prefix) > FUZZ_LIMITS["max_text_chars"]:
+            return f"option target_prefix {i} has {len(prefix)} characters"
+    for i, (text, prefix) in enumerate(zip(texts, prefixes_of(request))):
         if not text.strip():
             return f"text {i} is empty or only whitespace"
         if len(text) > FUZZ_LIMITS["max_text_chars"]:
             return f"text {i} has {len(text)} characters"
-        if task == "translate" and whole and pieces(entry, text) > entry.max_src_len - 1:
-            return f"text {i} is"  # ... N pieces long (summaries truncate instead)
-        if any(o["min_length"] > output_limit(entry, o, source_tokens(entry, s)) for s in segments(entry, whole, text)):
-            return f"text {i}: option min_length="
+        parts = segments(entry, request, text)
+        if not parts:
+            return f"text {i} has no text outside its markup"
+        for k, s in enumerate(parts):  # as the server makes their sequences: in order, each checked
+            if refuses_long(request) and pieces(entry, s) > entry.max_src_len - 1:
+                return f"text {i} is"  # ... N pieces long (summaries and split texts truncate instead)
+            limit = output_limit(entry, o, source_tokens(entry, s))
+            if k == 0 and prefix_pieces(entry, prefix) >= limit:
+                return f"text {i}: option target_prefix is"
+            if o["min_length"] > limit:
+                return f"text {i}: option min_length="
     return ""
 
 
 def check_results(server: RunningServer, request, model: str, results) -> None:
     """Every text has its result: the source as the model's tokenizer reads the text we sent, in
     the model's input style (so nothing was lost or mangled on the way), cut only where it says so,
-    n_best hypotheses within the length limits of its segments, ordered, each with its finish reason."""
+    n_best hypotheses within the length limits of its segments, ordered, each with its finish reason,
+    and a plain text's beginning with its target prefix exactly as sent (after the text's leading
+    whitespace, when it is split into sentences)."""
     entry = server.registry.pipelines[model].entry
     o = options_of(request.options)
     assert [r.index for r in results] == list(range(len(request.texts)))
-    for text, result in zip(request.texts, results):
-        parts = segments(entry, reads_whole(request), text)
+    for text, result, prefix in zip(request.texts, results, prefixes_of(request)):
+        parts = segments(entry, request, text)
         assert (result.sentences, result.source_tokens) == (len(parts), sum(source_tokens(entry, s) for s in parts))
-        assert result.truncated == any(pieces(entry, s) > entry.max_src_len - 1 for s in parts)
+        assert result.truncated == (over_window(entry, request, text)
+                                    or any(pieces(entry, s) > entry.max_src_len - 1 for s in parts))
         limits = [output_limit(entry, o, source_tokens(entry, s)) for s in parts]
         hyps = result.hypotheses
         assert len(hyps) == o["n_best"]
@@ -201,8 +259,23 @@ def check_results(server: RunningServer, request, model: str, results) -> None:
         assert all(h.finish_reason in (pb.END_OF_SENTENCE, pb.LENGTH) for h in hyps)
         if len(parts) == 1:
             assert all((h.finish_reason == pb.LENGTH) == (h.tokens >= limits[0]) for h in hyps)
+        if prefix.strip() and not markup(request):
+            lead = layout(entry, request, text).gaps[0]
+            assert all(h.text.startswith(lead + prefix) for h in hyps), (prefix, [h.text for h in hyps])
         scores = [h.score for h in hyps]
         assert scores == (sorted(scores, reverse=True) if request.options.return_scores else [0.0] * len(hyps))
+
+
+def check_partial(request, sent: list) -> None:
+    """Sentences streamed ahead of their texts: only when asked for, only of texts of several
+    sentences, each once and before its text."""
+    partial = [r for r in sent if r.partial]
+    if not (isinstance(request, pb.TranslateRequest) and request.stream_sentences):
+        assert not partial
+    finals = {r.index: at for at, r in enumerate(sent) if not r.partial}
+    for r in partial:
+        assert r.sentences >= 2 and r.sentence < r.sentences and sent.index(r) < finals[r.index]
+    assert len({(r.index, r.sentence) for r in partial}) == len(partial)
 
 
 def check_answer(server: RunningServer, method: str, request, outcome) -> None:
@@ -216,7 +289,9 @@ def check_answer(server: RunningServer, method: str, request, outcome) -> None:
         assert all(r.model == want.model for r in responses)
         if method.endswith("Stream"):
             assert all(len(r.results) == 1 for r in responses)
-            results = sorted((r.results[0] for r in responses), key=lambda r: r.index)
+            sent = [r.results[0] for r in responses]
+            results = sorted((r for r in sent if not r.partial), key=lambda r: r.index)
+            check_partial(request, sent)
         else:
             results = responses[0].results
         check_results(server, request, want.model, results)
@@ -281,6 +356,17 @@ text = weighted(
     (1, st.builds(operator.mul, st.sampled_from(["Hund ", "ü", "\U0001f600", "e\u0301", "\u05d0\u05d1 "]),
                   st.integers(90, 700))),  # around the character and the piece limits
 )
+# Markup for format HTML (and as plain text): tags inline and block, entities, comments, scripts, stray < and &.
+MARKUP = ["<p>", "</p>", "<b>", "</b>", '<a href="/x?a=1&amp;b=2">', "</a>", "<br/>", "&amp;", "&#x1F600;", "&nbsp;",
+          "<!-- c -->", "<script>if (a < b) {}</script>", "<", ">", "&", "<div>", "</span>", "<!DOCTYPE html>"]
+HTML = ["<p>Ein <b>Hund</b> läuft.</p>", "<p>Zwei Männer.</p>\n<p>Eine <a href='/'>Frau</a> liest &amp; lacht.</p>",
+        "<ul><li>Hund</li><li>Katze</li></ul>", "<p><b></b></p>", "<!-- nur -->", "<p>Ein 😀 Hund.</p>"]
+text = weighted(
+    (6, text),
+    (1, st.sampled_from(HTML)),
+    (1, st.lists(st.sampled_from(MARKUP + ODD + SENTENCES[:5]), max_size=10).map("".join)),
+    (1, st.lists(st.sampled_from(SENTENCES), min_size=2, max_size=12).map(" ".join)),  # documents, long ones
+)
 short_text = st.one_of(st.sampled_from(SENTENCES), st.lists(st.sampled_from(ODD), max_size=4).map("".join))
 texts = weighted(  # a message over the size limit costs ~0.2 s on loopback: rare here, tested on its own too
     (50, st.lists(text, max_size=4)),
@@ -301,16 +387,27 @@ def options_message(**fields) -> pb.DecodingOptions:
     return pb.DecodingOptions(**{k: v for k, v in fields.items() if v is not None})
 
 
+# Target prefixes: none, blank, words (most within the fuzzed 10-token limit, some not), odd characters,
+# anything, and one over the character limit; as many as the texts or not.
+prefix = weighted(
+    (3, st.sampled_from(["", " ", "A", "A dog", "Ein Hund läuft über die Wiese", "the", "japan 's"])),
+    (2, st.lists(st.sampled_from(ODD + MARKUP[:6]), max_size=4).map("".join)),
+    (1, st.text(st.characters(codec="utf-8"), max_size=12)),
+    (1, st.just("a " * 400)),
+)
+prefixes = weighted((6, st.just([])), (3, st.lists(prefix, min_size=1, max_size=1)), (2, st.lists(prefix, max_size=5)))
+
+
 # Options either within the limits (unset or in range, so a valid request stays cheap) or anything.
 options = st.one_of(
     st.builds(options_message, beam_size=uint(1, 4), length_penalty=real(0, 10), max_length=uint(1, 8),
               max_length_ratio=real(0, 10), max_length_offset=uint(0, 8), min_length=uint(0, 8), n_best=uint(1, 4),
-              no_repeat_ngram_size=uint(0, 8), return_scores=st.booleans()),
+              no_repeat_ngram_size=uint(0, 8), return_scores=st.booleans(), target_prefix=prefixes),
     st.builds(options_message, beam_size=uint(0, 2**32 - 1), length_penalty=st.floats(width=32),
               max_length=uint(0, 2**32 - 1), max_length_ratio=st.floats(width=32),
               max_length_offset=uint(0, 2**32 - 1), min_length=uint(0, 2**32 - 1), n_best=uint(0, 2**32 - 1),
               no_repeat_ngram_size=uint(0, 2**32 - 1), return_scores=st.booleans(),
-              return_diagnostics=st.booleans()),
+              return_diagnostics=st.booleans(), target_prefix=prefixes),
 )
 model = st.one_of(st.just(""), st.sampled_from(["tiny-de-en", "tiny-en-de", "tiny-headlines"]), st.text(max_size=12))
 language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE", "de-DE", "eng", "ger", "auto"]), st.text(max_size=4))
@@ -322,7 +419,9 @@ def any_call(draw):
     common = dict(texts=draw(texts), model=draw(model), options=draw(options))
     if method.startswith("Translate"):
         return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language),
-                                           as_one_sequence=draw(st.booleans()), **common)
+                                           as_one_sequence=draw(st.booleans()), stream_sentences=draw(st.booleans()),
+                                           format=draw(weighted((6, st.just(pb.TEXT)), (3, st.just(pb.HTML)),
+                                                                (1, st.integers(2, 2**31 - 1)))), **common)
     return method, pb.SummarizeRequest(**common)
 
 

@@ -87,11 +87,19 @@ def test_a_checkpoint_is_exported_on_first_start_and_serves_the_other_direction(
     assert (repo / "model.json").exists() and (repo / "encoder.onnx").exists()
 
 
-def test_summarize_uses_the_summariser_and_truncates_long_articles(client):
-    article = "the central bank raised interest rates on tuesday , citing inflation . " * 30
-    response = client.summarize([article], beam_size=2)
+def test_summarize_uses_the_summariser_and_reads_a_long_article_from_its_first_sentence(client):
+    """Over the window (--max-src-len 64), an article is summarised from its lead sentence (chosen by
+    measurement: docs/DOCUMENTS.md), and says that part of it was not read; a first sentence over
+    the window on its own (and without clauses to split it at) is cut to it."""
+    lead = "the central bank raised interest rates on tuesday , citing inflation ."
+    article = f"{lead} " + "prices rose again in march , the ministry said . " * 30
+    response = client.summarize([article, lead, "the bank raised rates again " * 20], beam_size=2)
     assert response.model == "tiny-headlines"
-    assert response.results[0].source_tokens == 64  # --max-src-len 64: truncated, as in training
+    long, alone, cut = response.results
+    assert long.truncated and not alone.truncated and cut.truncated
+    assert long.source_tokens == alone.source_tokens < 64
+    assert [h.text for h in long.hypotheses] == [h.text for h in alone.hypotheses]
+    assert cut.source_tokens == 64
 
 
 def test_plain_text_is_summarised_as_its_gigaword_style_form_would_be(client):
@@ -238,14 +246,20 @@ def test_metrics_count_calls_and_texts_and_never_expose_request_text(models, tmp
 def test_the_ct2_backend_serves_a_vanilla_model_with_the_same_outputs(models, client, tmp_path):
     texts = ["A dog runs on the beach.", "Two men are playing soccer in a park.", "A woman reads a book."]
     expected = [r.hypotheses[0].text for r in client.translate(texts, target="de", beam_size=4).results]
+    prefixes = ["Ein Hund", "", "Eine"]  # CT2's target_prefix (beam 1: ct2_runtime's docstring)
+    prefixed = [r.hypotheses[0].text for r in client.translate(texts, target="de", beam_size=1,
+                                                               target_prefix=prefixes).results]
     running = RunningServer(config_for(models, tmp_path, backend="ct2", models=["tiny-en-de"]))
     try:
         with Client(running.address, timeout=60) as ct2:
             assert ct2.list_models()[0].backend == "ct2"
             response = ct2.translate(texts, target="de", beam_size=4)
+            with_prefix = ct2.translate(texts, target="de", beam_size=1, target_prefix=prefixes)
     finally:
         running.stop()
     assert [r.hypotheses[0].text for r in response.results] == expected
+    assert [r.hypotheses[0].text for r in with_prefix.results] == prefixed
+    assert prefixed[0].startswith("Ein Hund") and prefixed[2].startswith("Eine")
 
 
 def test_the_ct2_backend_refuses_a_gret_model_at_start_and_says_why(models, tmp_path):

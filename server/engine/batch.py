@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, select
+from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, force_prefix, select
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
@@ -67,7 +67,7 @@ class Batch:
         self.cfg, self.n_heads, self.d_head, self.device = cfg, n_heads, d_head, device
         self.seqs: list[Sequence] = []
         self.counts, self.beams, self.limits, self.held = (torch.empty(0, dtype=torch.long) for _ in range(4))
-        self.constrained = 0  # sequences with min_length or no_repeat_ngram: _constrain's work
+        self.constrained = 0  # sequences with min_length, no_repeat_ngram or a prefix: _constrain's work
         self.sources = SourceSlots()
         self.enc_slot = torch.empty(0, dtype=torch.long)
         self.row_seq = torch.empty(0, dtype=torch.long)
@@ -181,8 +181,9 @@ class Batch:
             seq.finished.append(Hypothesis.ending(prefix, token, score, seq.options.length_penalty, eos))
 
     def _constrain(self, log_probs: torch.Tensor) -> torch.Tensor:
-        """min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs
-        are per slot); rare options, so plain Python over the sequences that have them."""
+        """A target prefix (forced while the step is inside it; training.seq2seq.beam.force_prefix), else
+        min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs are per
+        slot); rare options, so plain Python over the sequences that have them."""
         if not self.constrained:
             return log_probs
         starts = (self.counts.cumsum(0) - self.counts).tolist()
@@ -191,6 +192,9 @@ class Batch:
                 continue
             rows = range(starts[i], starts[i] + int(self.counts[i]))
             slots, step = self.slot[list(rows)], int(self.positions[starts[i]])
+            if step < len(seq.options.prefix):
+                force_prefix(log_probs, slots, seq.options.prefix[step])
+                continue
             if step < seq.options.min_length:
                 log_probs[slots, self.cfg.eos_id] = NEG_INF
             n = seq.options.no_repeat_ngram
@@ -316,7 +320,7 @@ class Batch:
 
 def constrained(seq: Sequence) -> bool:
     """Whether its options need _constrain."""
-    return bool(seq.options.min_length or seq.options.no_repeat_ngram)
+    return bool(seq.options.min_length or seq.options.no_repeat_ngram or seq.options.prefix)
 
 
 def fit_columns(history: torch.Tensor, columns: int) -> torch.Tensor:

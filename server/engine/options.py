@@ -35,6 +35,9 @@ class DecodingOptions:
     no_repeat_ngram: int = 0  # 0: off; n: no n-gram occurs twice in an output
     return_scores: bool = False
     diagnostics: bool = False  # GRET: mean context-gate value per token, routing agreement
+    # target pieces the output begins with (forced, then free search: training.seq2seq.beam.force_prefix);
+    # set per sequence by the pipeline from the request's target_prefix text, checked by output_limit
+    prefix: tuple[int, ...] = ()
 
     def check(self, limits: Limits) -> "DecodingOptions":
         def require(ok: bool, field: str, value, allowed: str):
@@ -59,9 +62,15 @@ class DecodingOptions:
         """Most tokens the search may generate for a source of this many pieces (EOS counted):
         training.seq2seq.beam.output_limit's a * n + b, at most max_length (if set), the model's limit
         and the server's. A min_length above it is an OptionError: the search would stop at the
-        limit with no end of sentence."""
+        limit with no end of sentence; so is a prefix that leaves no room for a token of the search's
+        own (it would be the whole output, one hypothesis whatever n_best asks)."""
         cap = min(c for c in (self.max_length, model_limit, limits.max_output_tokens) if c)
         n = output_limit(source_tokens, self.max_len_a, self.max_len_b, cap)
+        if len(self.prefix) >= n:
+            raise OptionError(f"option target_prefix is {len(self.prefix)} pieces, not shorter than the output limit "
+                              f"of {n} tokens for this text ({source_tokens} source tokens; the end of sentence "
+                              f"counts): shorten it, or raise max_length_ratio, max_length_offset or max_length "
+                              f"(at most {min(model_limit, limits.max_output_tokens)})")
         if self.min_length > n:
             raise OptionError(f"option min_length={self.min_length} is above the output limit of {n} tokens for "
                               f"this text ({source_tokens} source tokens): lower min_length, or raise "

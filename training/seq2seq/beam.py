@@ -7,6 +7,11 @@ over its rows' tokens, best first, ties to the lower row, then the lower token. 
 token at the sequence's last step, finishes a hypothesis if its candidate ranks inside the beam
 (and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is
 done once it holds `beam` finished hypotheses, reaches its length limit, or has no candidate left. Both steps work on all sequences at once, each with its own beam size and rows.
+
+A target prefix (CTranslate2's target_prefix) is forced decoding: while a sequence's step is inside
+its prefix, its rows may take only the prefix's next token, at no cost (force_prefix); so one row
+goes through the prefix, the free search starts from it, and a score counts only what follows
+the prefix, while a length counts the prefix too (as CTranslate2 scores it).
 """
 from __future__ import annotations
 
@@ -46,6 +51,13 @@ def output_limit(source_tokens: int, a: float, b: int, cap: int) -> int:
     number the formula promises."""
     ratio = Fraction(np.format_float_positional(np.float32(a), unique=True, trim="-"))
     return max(1, min(int(ratio * source_tokens + b), cap))
+
+
+def force_prefix(log_probs: torch.Tensor, rows, token: int) -> None:
+    """In place: rows `rows` of (rows, V) log-probabilities may take only `token`, with
+    log-probability 0 (a prefix is given, not chosen: it adds nothing to the score)."""
+    log_probs[rows] = NEG_INF
+    log_probs[rows, token] = 0.0
 
 
 class Candidates(NamedTuple):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .beam import NEG_INF, Hypothesis, candidates, output_limit, select
+from .beam import NEG_INF, Hypothesis, candidates, force_prefix, output_limit, select
 from .model import Seq2Seq
 
 
@@ -44,10 +44,11 @@ def _max_lengths(src, pad_id, a, b, max_positions) -> torch.Tensor:
 @torch.no_grad()
 def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None = None, beam: int = 4,
                 length_penalty: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10,
-                n_best: int = 1) -> list[list[Hypothesis]]:
+                n_best: int = 1, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
     """Batched beam search. A sentence is finished once it holds `beam` finished hypotheses
     (or hits its max length); finished sentences leave the batch, so later steps get cheaper.
-    Scores are log P / len^length_penalty (len counts EOS)."""
+    Scores are log P / len^length_penalty (len counts EOS). `prefixes`: per sentence, target
+    tokens its output must begin with (training.seq2seq.beam.force_prefix)."""
     if not 1 <= n_best <= beam:
         raise ValueError("n_best must be between 1 and beam")
     cfg = model.cfg
@@ -66,6 +67,9 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
     for step in range(int(max_len.max())):
         log_probs, cache = model.decode_step(tokens, step, enc, cache, beam)
         n = len(alive)
+        for b, sentence in enumerate(alive.tolist()) if prefixes else ():
+            if step < len(prefixes[sentence]):
+                force_prefix(log_probs, slice(b * beam, (b + 1) * beam), prefixes[sentence][step])
         beams = torch.full((n,), beam)
         top = log_probs.topk(min(2 * beam, log_probs.shape[-1]), dim=1)
         cand = candidates(scores.flatten(), *top, beams, 2 * beam)
