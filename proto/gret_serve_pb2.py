@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/gret_serve.proto\x12\x0cgretserve.v1\"\xb0\x03\n\x0f\x44\x65\x63odingOptions\x12\x16\n\tbeam_size\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x17\n\nmax_length\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10max_length_ratio\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11max_length_offset\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x17\n\nmin_length\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x13\n\x06n_best\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x15\n\rreturn_scores\x18\x08 \x01(\x08\x12!\n\x14no_repeat_ngram_size\x18\t \x01(\rH\x07\x88\x01\x01\x12\x1a\n\x12return_diagnostics\x18\n \x01(\x08\x42\x0c\n\n_beam_sizeB\x11\n\x0f_length_penaltyB\r\n\x0b_max_lengthB\x13\n\x11_max_length_ratioB\x14\n\x12_max_length_offsetB\r\n\x0b_min_lengthB\t\n\x07_n_bestB\x17\n\x15_no_repeat_ngram_size\"\xd5\x01\n\x10TranslateRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x17\n\x0fsource_language\x18\x02 \x01(\t\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12.\n\x07options\x18\x05 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\x12\x17\n\x0f\x61s_one_sequence\x18\x06 \x01(\x08\x12(\n\x06\x66ormat\x18\x07 \x01(\x0e\x32\x18.gretserve.v1.TextFormat\"`\n\x10SummarizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\x07options\x18\x03 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\"~\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08log_prob\x18\x03 \x01(\x02\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.gretserve.v1.FinishReason\"6\n\x0b\x44iagnostics\x12\x0c\n\x04gate\x18\x01 \x03(\x02\x12\x19\n\x11routing_agreement\x18\x02 \x01(\x02\"\xeb\x01\n\nTextResult\x12\r\n\x05index\x18\x01 \x01(\r\x12,\n\nhypotheses\x18\x02 \x03(\x0b\x32\x18.gretserve.v1.Hypothesis\x12.\n\x0b\x64iagnostics\x18\x03 \x01(\x0b\x32\x19.gretserve.v1.Diagnostics\x12\x15\n\rsource_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x65ncoder_cache_hit\x18\x05 \x01(\x08\x12\x18\n\x10result_cache_hit\x18\x06 \x01(\x08\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x11\n\tsentences\x18\x08 \x01(\r\"|\n\x10GenerateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12)\n\x07results\x18\x03 \x03(\x0b\x32\x18.gretserve.v1.TextResult\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"\x8c\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\x12\x17\n\x0ftarget_language\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x11\n\tprecision\x18\x08 \x01(\t\x12\x12\n\nparameters\x18\t \x01(\x04\x12\x12\n\nis_default\x18\n \x01(\x08\x12\x18\n\x10max_input_pieces\x18\x0b \x01(\r\x12$\n\x06limits\x18\x0c \x01(\x0b\x32\x14.gretserve.v1.Limits\"\x9b\x01\n\x06Limits\x12\x15\n\rmax_beam_size\x18\x01 \x01(\r\x12\x12\n\nmax_n_best\x18\x02 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\r\x12\x11\n\tmax_texts\x18\x04 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x05 \x01(\r\x12 \n\x18max_no_repeat_ngram_size\x18\x06 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.gretserve.v1.ModelInfo* \n\nTextFormat\x12\x08\n\x04TEXT\x10\x00\x12\x08\n\x04HTML\x10\x01*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45ND_OF_SENTENCE\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xa0\x03\n\tInference\x12K\n\tTranslate\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fTranslateStream\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12K\n\tSummarize\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fSummarizeStream\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.gretserve.v1.ListModelsRequest\x1a .gretserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/gret_serve.proto\x12\x0cgretserve.v1\"\xb0\x03\n\x0f\x44\x65\x63odingOptions\x12\x16\n\tbeam_size\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x17\n\nmax_length\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10max_length_ratio\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11max_length_offset\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x17\n\nmin_length\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x13\n\x06n_best\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x15\n\rreturn_scores\x18\x08 \x01(\x08\x12!\n\x14no_repeat_ngram_size\x18\t \x01(\rH\x07\x88\x01\x01\x12\x1a\n\x12return_diagnostics\x18\n \x01(\x08\x42\x0c\n\n_beam_sizeB\x11\n\x0f_length_penaltyB\r\n\x0b_max_lengthB\x13\n\x11_max_length_ratioB\x14\n\x12_max_length_offsetB\r\n\x0b_min_lengthB\t\n\x07_n_bestB\x17\n\x15_no_repeat_ngram_size\"\xe7\x01\n\x10TranslateRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x17\n\x0fsource_language\x18\x02 \x01(\t\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12.\n\x07options\x18\x05 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\x12\x17\n\x0f\x61s_one_sequence\x18\x06 \x01(\x08\x12(\n\x06\x66ormat\x18\x07 \x01(\x0e\x32\x18.gretserve.v1.TextFormat\x12\x10\n\x08priority\x18\x08 \x01(\x05\"r\n\x10SummarizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\x07options\x18\x03 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\"~\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08log_prob\x18\x03 \x01(\x02\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.gretserve.v1.FinishReason\"6\n\x0b\x44iagnostics\x12\x0c\n\x04gate\x18\x01 \x03(\x02\x12\x19\n\x11routing_agreement\x18\x02 \x01(\x02\"\xeb\x01\n\nTextResult\x12\r\n\x05index\x18\x01 \x01(\r\x12,\n\nhypotheses\x18\x02 \x03(\x0b\x32\x18.gretserve.v1.Hypothesis\x12.\n\x0b\x64iagnostics\x18\x03 \x01(\x0b\x32\x19.gretserve.v1.Diagnostics\x12\x15\n\rsource_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x65ncoder_cache_hit\x18\x05 \x01(\x08\x12\x18\n\x10result_cache_hit\x18\x06 \x01(\x08\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x11\n\tsentences\x18\x08 \x01(\r\"|\n\x10GenerateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12)\n\x07results\x18\x03 \x03(\x0b\x32\x18.gretserve.v1.TextResult\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"\x8c\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\x12\x17\n\x0ftarget_language\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x11\n\tprecision\x18\x08 \x01(\t\x12\x12\n\nparameters\x18\t \x01(\x04\x12\x12\n\nis_default\x18\n \x01(\x08\x12\x18\n\x10max_input_pieces\x18\x0b \x01(\r\x12$\n\x06limits\x18\x0c \x01(\x0b\x32\x14.gretserve.v1.Limits\"\x9b\x01\n\x06Limits\x12\x15\n\rmax_beam_size\x18\x01 \x01(\r\x12\x12\n\nmax_n_best\x18\x02 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\r\x12\x11\n\tmax_texts\x18\x04 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x05 \x01(\r\x12 \n\x18max_no_repeat_ngram_size\x18\x06 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.gretserve.v1.ModelInfo* \n\nTextFormat\x12\x08\n\x04TEXT\x10\x00\x12\x08\n\x04HTML\x10\x01*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45ND_OF_SENTENCE\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xa0\x03\n\tInference\x12K\n\tTranslate\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fTranslateStream\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12K\n\tSummarize\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fSummarizeStream\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.gretserve.v1.ListModelsRequest\x1a .gretserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.gret_serve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TEXTFORMAT']._serialized_start=1850
-  _globals['_TEXTFORMAT']._serialized_end=1882
-  _globals['_FINISHREASON']._serialized_start=1884
-  _globals['_FINISHREASON']._serialized_end=1962
+  _globals['_TEXTFORMAT']._serialized_start=1886
+  _globals['_TEXTFORMAT']._serialized_end=1918
+  _globals['_FINISHREASON']._serialized_start=1920
+  _globals['_FINISHREASON']._serialized_end=1998
   _globals['_DECODINGOPTIONS']._serialized_start=41
   _globals['_DECODINGOPTIONS']._serialized_end=473
   _globals['_TRANSLATEREQUEST']._serialized_start=476
-  _globals['_TRANSLATEREQUEST']._serialized_end=689
-  _globals['_SUMMARIZEREQUEST']._serialized_start=691
-  _globals['_SUMMARIZEREQUEST']._serialized_end=787
-  _globals['_HYPOTHESIS']._serialized_start=789
-  _globals['_HYPOTHESIS']._serialized_end=915
-  _globals['_DIAGNOSTICS']._serialized_start=917
-  _globals['_DIAGNOSTICS']._serialized_end=971
-  _globals['_TEXTRESULT']._serialized_start=974
-  _globals['_TEXTRESULT']._serialized_end=1209
-  _globals['_GENERATERESPONSE']._serialized_start=1211
-  _globals['_GENERATERESPONSE']._serialized_end=1335
-  _globals['_LISTMODELSREQUEST']._serialized_start=1337
-  _globals['_LISTMODELSREQUEST']._serialized_end=1356
-  _globals['_MODELINFO']._serialized_start=1359
-  _globals['_MODELINFO']._serialized_end=1627
-  _globals['_LIMITS']._serialized_start=1630
-  _globals['_LIMITS']._serialized_end=1785
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1787
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1848
-  _globals['_INFERENCE']._serialized_start=1965
-  _globals['_INFERENCE']._serialized_end=2381
+  _globals['_TRANSLATEREQUEST']._serialized_end=707
+  _globals['_SUMMARIZEREQUEST']._serialized_start=709
+  _globals['_SUMMARIZEREQUEST']._serialized_end=823
+  _globals['_HYPOTHESIS']._serialized_start=825
+  _globals['_HYPOTHESIS']._serialized_end=951
+  _globals['_DIAGNOSTICS']._serialized_start=953
+  _globals['_DIAGNOSTICS']._serialized_end=1007
+  _globals['_TEXTRESULT']._serialized_start=1010
+  _globals['_TEXTRESULT']._serialized_end=1245
+  _globals['_GENERATERESPONSE']._serialized_start=1247
+  _globals['_GENERATERESPONSE']._serialized_end=1371
+  _globals['_LISTMODELSREQUEST']._serialized_start=1373
+  _globals['_LISTMODELSREQUEST']._serialized_end=1392
+  _globals['_MODELINFO']._serialized_start=1395
+  _globals['_MODELINFO']._serialized_end=1663
+  _globals['_LIMITS']._serialized_start=1666
+  _globals['_LIMITS']._serialized_end=1821
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1823
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1884
+  _globals['_INFERENCE']._serialized_start=2001
+  _globals['_INFERENCE']._serialized_end=2417
 # @@protoc_insertion_point(module_scope)

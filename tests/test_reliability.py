@@ -78,7 +78,7 @@ class Expected:
 
 def expected(server: RunningServer, method: str, request) -> Expected:
     """What the server must answer, from the API's documented rules: message size, then the model,
-    then the options, then the texts."""
+    then the priority, then the options, then the texts."""
     if request.ByteSize() > MAX_MESSAGE:
         return Expected(CODE.RESOURCE_EXHAUSTED)
     task = "translate" if method.startswith("Translate") else "summarize"
@@ -97,7 +97,8 @@ def expected(server: RunningServer, method: str, request) -> Expected:
         if not fits:
             return Expected(CODE.NOT_FOUND)
         name = fits[0]
-    problem = (option_problem(request.options) or diagnostics_problem(models[name], request.options)
+    problem = (priority_problem(request) or option_problem(request.options)
+               or diagnostics_problem(models[name], request.options)
                or text_problem(models[name], task, reads_whole(request), list(request.texts),
                                options_of(request.options)))
     return Expected(CODE.INVALID_ARGUMENT, about=problem) if problem else Expected(CODE.OK, model=name)
@@ -108,6 +109,10 @@ def options_of(o: pb.DecodingOptions) -> dict:
     defaults = dict(beam_size=4, length_penalty=1.0, max_length=0, max_length_ratio=1.5, max_length_offset=10,
                     min_length=0, n_best=1, no_repeat_ngram_size=0)
     return {f: getattr(o, f) if o.HasField(f) else d for f, d in defaults.items()}
+
+
+def priority_problem(request) -> str:
+    return "" if -10 <= request.priority <= 10 else f"priority={request.priority} is out of range"
 
 
 def option_problem(options: pb.DecodingOptions) -> str:
@@ -312,13 +317,14 @@ options = st.one_of(
               return_diagnostics=st.booleans()),
 )
 model = st.one_of(st.just(""), st.sampled_from(["tiny-de-en", "tiny-en-de", "tiny-headlines"]), st.text(max_size=12))
+priority = st.one_of(st.just(0), st.integers(-10, 10), st.integers(-2**31, 2**31 - 1))
 language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE", "de-DE", "eng", "ger", "auto"]), st.text(max_size=4))
 
 
 @st.composite
 def any_call(draw):
     method = draw(st.sampled_from(METHODS))
-    common = dict(texts=draw(texts), model=draw(model), options=draw(options))
+    common = dict(texts=draw(texts), model=draw(model), options=draw(options), priority=draw(priority))
     if method.startswith("Translate"):
         return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language),
                                            as_one_sequence=draw(st.booleans()), **common)
@@ -547,8 +553,9 @@ def vanilla(served_models):
     running.stop()
 
 
-def to_german(texts, beam, **options):
-    return pb.TranslateRequest(texts=texts, target_language="de", options=pb.DecodingOptions(beam_size=beam, **options))
+def to_german(texts, beam, priority=0, **options):
+    return pb.TranslateRequest(texts=texts, target_language="de", priority=priority,
+                               options=pb.DecodingOptions(beam_size=beam, **options))
 
 
 def calls_ended(server: RunningServer, method: str, code: str) -> float:
@@ -614,6 +621,101 @@ def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after
     assert len(backlog_seqs) == 64
     assert sum(s.admitted < small_seq.admitted for s in backlog_seqs) <= 4  # one text of each call ahead
     assert sum(s.admitted > small_seq.admitted for s in backlog_seqs) >= 64 - 8  # the backlog still waited
+
+
+def test_a_higher_priority_call_is_admitted_before_any_waiting_text_of_a_lower_priority(served_models):
+    """Priority is strict: behind a backlog at priorities 0 and -5, a one-text call at priority 5 is
+    the first admitted once the engine admits again, and no text of priority -5 joins the batch
+    while one of priority 0 waits."""
+    server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
+                                      max_batch_tokens=80))  # two or three texts decode at a time
+    engine = server.registry.pipelines[VANILLA].engine
+    log = engine.observer = StepLog(engine.observer)
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+        running = stub.Translate.future(to_german(german(1, offset=800), beam=1, **SHORT), timeout=120)
+        log.hold = 1
+        assert log.held.wait(60)  # the engine waits between two steps while the queue fills
+        backlog = [stub.Translate.future(to_german(german(8, offset=810 + 8 * i), beam=1, priority=p, **SHORT),
+                                         timeout=120) for i, p in enumerate((-5, 0, 0))]
+        wait_until(lambda: engine.queued() == 24)
+        urgent = stub.Translate.future(to_german(german(1, offset=850), beam=1, priority=5, **SHORT), timeout=120)
+        wait_until(lambda: engine.queued() == 25)
+        log.release.set()
+        for call in [running, urgent, *backlog]:
+            assert len(call.result(120).results) in (1, 8)
+    finally:
+        log.release.set()
+        server.stop()
+    first = min(log.done, key=lambda s: s.admitted)  # the call that was running
+    queued = [s for s in log.done if s is not first]
+    by_priority = {p: [s for s in queued if s.priority == p] for p in (5, 0, -5)}
+    assert [len(v) for v in by_priority.values()] == [1, 16, 8]
+    assert by_priority[5][0].admitted <= min(s.admitted for s in queued)
+    assert max(s.admitted for s in by_priority[0]) <= min(s.admitted for s in by_priority[-5])
+
+
+@pytest.mark.parametrize("priority", [11, -11, 2**31 - 1])
+def test_a_priority_out_of_range_is_invalid_argument_naming_the_range(vanilla, priority):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(vanilla.address))
+    calls = [lambda: stub.Translate(to_german(german(1), beam=1, priority=priority), timeout=60),
+             lambda: list(stub.TranslateStream(to_german(german(1), beam=1, priority=priority), timeout=60))]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == CODE.INVALID_ARGUMENT
+        assert refused.value.details().startswith(f"priority={priority} is out of range: -10..10")
+
+
+def held_while_others_waited(seqs, since: float, share: float) -> list[tuple[int, int]]:
+    """Replays the batch from the texts' admission and finishing times: for every text admitted
+    after `since` while another call still had texts waiting, (its call, the budget its call already
+    held in the running batch). Texts admitted together are taken in their call's order."""
+    found = []
+    for t in sorted({s.admitted for s in seqs if s.admitted > since}):
+        for call in sorted({s.call for s in seqs if s.admitted == t}):
+            others_wait = any(s.admitted > t for s in seqs if s.call != call)
+            if not others_wait:
+                continue
+            held = sum(s.rows_budget for s in seqs if s.call == call and s.admitted < t < s.done)
+            for s in sorted((s for s in seqs if s.call == call and s.admitted == t), key=lambda s: s.id):
+                found.append((call, held))
+                held += s.rows_budget
+    return found
+
+
+def test_while_another_call_waits_a_call_holding_its_share_of_the_batch_gets_no_more_texts(served_models):
+    """--max-call-share 0.5: a 24-text call fills the batch alone, then a second one queues. From
+    then on, while the other has texts waiting, no call that holds half the admission budget or
+    more is given another text: the room its finished texts free goes to the other call."""
+    budget = 1000
+    server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
+                                      max_batch_tokens=budget, max_call_share=0.5))
+    pipeline = server.registry.pipelines[VANILLA]
+    engine = pipeline.engine
+    log = engine.observer = StepLog(engine.observer)
+    first, second = german(24, offset=900), german(24, offset=930)  # outputs of many lengths: they leave one by one
+    costs = [s.rows_budget for d in pipeline.documents(first, DecodingOptions(beam=1), None) for s in d.sequences]
+    fitting = next(i for i in range(len(costs) + 1) if i == len(costs) or sum(costs[: i + 1]) > budget)
+    assert fitting >= 6 and sum(costs[:fitting]) >= budget / 2  # the first call holds its share when the second comes
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+        calls = [stub.Translate.future(to_german(first, beam=1), timeout=120)]
+        log.hold = fitting
+        assert log.held.wait(60)  # the first call decodes alone, the batch full of its texts
+        calls.append(stub.Translate.future(to_german(second, beam=1), timeout=120))
+        wait_until(lambda: engine.queued() == 48 - fitting)
+        released = time.monotonic()
+        log.release.set()
+        for call in calls:
+            assert len(call.result(120).results) == 24
+    finally:
+        log.release.set()
+        server.stop()
+    assert len(log.done) == 48 and len({s.call for s in log.done}) == 2
+    admitted = held_while_others_waited(log.done, released, budget * 0.5)
+    assert len(admitted) >= 8  # the calls did wait for each other
+    assert all(held < budget * 0.5 for _, held in admitted)
 
 
 def test_a_min_length_above_a_texts_output_limit_is_invalid_argument_naming_both_numbers(vanilla):

@@ -140,7 +140,7 @@ class Engine:
         so can a caller that drives the engine itself (tests, the offline benchmark)."""
         with self._cond:
             self._drop_doomed()
-            admitted = self.scheduler.admit(len(self.batch), self.batch.budget_used())
+            admitted = self.scheduler.admit(self.batch.seqs)
             self.observer.queue_depth(self.queued())
         try:
             if admitted:
