@@ -791,6 +791,34 @@ def test_sigterm_flips_readiness_finishes_every_call_in_flight_refuses_new_ones_
         server.kill()
 
 
+def test_sigterm_while_a_stream_is_stalled_on_a_full_window_still_drains_and_exits_0_within_the_grace_period(
+        served_models):
+    """A client on a small HTTP/2 window reads one response and then nothing: every text is decoded,
+    but the server's writes wait for a window that never opens. SIGTERM still drains: the server
+    gives the stalled call the grace period, then ends it, and exits 0 with no error logged, in
+    time for the kubelet (terminationGracePeriodSeconds allows the drain and a margin, then kills)."""
+    grace = 3
+    metrics_port = free_port()
+    server = ServerProcess("--models-dir", served_models, "--models", VANILLA, "--host", "127.0.0.1", "--port", 0,
+                           "--metrics-port", metrics_port, "--workers", 1, "--grace-seconds", grace,
+                           "--build-cache", served_models.parent / "build-cache", *DECODE_REPEATS)
+    try:
+        small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving(), options=small_window))
+        stream = stub.TranslateStream(to_german(german(256, offset=400), beam=8, n_best=4, return_scores=True),
+                                      timeout=300)
+        next(stream)  # ... and no more
+        wait_until(lambda: metric(metrics_port, "gret_serve_texts_total") == 256, timeout=240)  # all decoded
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(grace + 10) == 0  # 10: deploy/k8s's margin over preStop + grace
+        with pytest.raises(grpc.RpcError):
+            list(stream)  # the stalled call was ended, not completed
+    finally:
+        server.kill()
+    assert "shutting down" in server.log and "stopped" in server.log
+    assert "Traceback" not in server.log and " ERROR " not in server.log
+
+
 def test_calls_still_running_when_the_grace_period_ends_get_unavailable_and_the_server_exits_0(served_models,
                                                                                                  tmp_path):
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
