@@ -1,7 +1,8 @@
 """python -m bench report [--publish] [--results DIR] [--out FILE]
 
-Renders the benchmarks' page from the JSON that `python -m bench engine` and `python -m bench
-server` wrote (bench-engine.json, bench-server.json) and embeds their plots. Every number on the
+Renders the benchmarks' page from the JSON that `python -m bench speed`, `engine`, `server` and
+`server --scenario backlog` wrote (bench-speed.json, bench-engine.json, bench-server.json,
+bench-server-backlog.json) and embeds their plots. Every number on the
 page comes from those files; a benchmark that has not been run is named with its command. By
 default runs/bench/BENCHMARKS.md from runs/bench; with --publish docs/BENCHMARKS.md from docs/results.
 """
@@ -180,6 +181,38 @@ def server_section(data: dict, results: Path, out: Path) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def backlog_section(data: dict, results: Path, out: Path) -> str:
+    s, plan = data["settings"], data["settings"]["plan"]
+    rows = [["idle (one at a time, before the backlog)", "—", "—", "—", data["idle"]["calls"],
+             data["idle"]["latency_ms"]["p50"], data["idle"]["latency_ms"]["p99"], data["idle"]["latency_ms"]["max"],
+             "", ""]]
+    for i, r in enumerate(data["rounds"]):
+        lat = r["latency_ms"]
+        rows.append([f"round {i + 1}", r["backlog_texts"], r["backlog_seconds"], r["queued_at_first_call"],
+                     f"{r['ok']}/{r['calls']}", lat["p50"], lat["p99"], lat["max"],
+                     ", ".join(f"{k} {n}" for k, n in r["errors"].items()) or "none",
+                     "/".join(f"{x:.1f}" for x in r["load_average"])])
+    pooled = data["all_rounds"]
+    rows.append(["all rounds", "", "", "", pooled["calls"], pooled["latency_ms"]["p50"], pooled["latency_ms"]["p99"],
+                 pooled["latency_ms"]["max"], "", ""])
+    parts = [
+        "## One-text calls behind a backlog",
+        provenance(data),
+        (f"`python -m server` with its default flags (`{' '.join(s['server_flags'])}`: the model and the ports only), "
+         f"`{s['model']}` ({s['architecture']}, {s['backend']}), options {s['options']}. Each round sends "
+         f"{plan['streams']} TranslateStream calls of {plan['texts_per_stream']} texts at once (a "
+         f"{plan['streams'] * plan['texts_per_stream']}-text backlog), then a one-text Translate call every "
+         f"{plan['probe_interval_s']} s until the backlog is answered; counted are the one-text calls sent before "
+         f"then, latency from sending to the answer. {s['texts']}, so neither cache answers. Queued: the texts "
+         "waiting for admission (the server's queue-depth metric) when the first one-text call went out. Load: the "
+         "machine's load average (1/5/15 min) after the round."),
+        table(["", "backlog texts", "backlog s", "queued", "one-text calls ok", "p50 ms", "p99 ms", "max ms", "errors",
+               "load"], rows),
+        targets_table(data["targets"]),
+    ]
+    return "\n\n".join(p for p in parts if p)
+
+
 def speed_section(data: dict, results: Path, out: Path) -> str:
     s, med = data["settings"], data["medians"]
     names = [n for n in data["rounds"][0] if n != "ratios"]
@@ -227,7 +260,9 @@ def render(results: Path, out: Path) -> str:
              "so absolute times move between runs: read the ratios and the side-by-side comparisons.")]
     for name, section, command in (("bench-speed.json", speed_section, "python -m bench speed"),
                                    ("bench-engine.json", engine_section, "python -m bench engine"),
-                                   ("bench-server.json", server_section, "python -m bench server")):
+                                   ("bench-server.json", server_section, "python -m bench server"),
+                                   ("bench-server-backlog.json", backlog_section,
+                                    "python -m bench server --scenario backlog")):
         path = results / name
         if path.exists():
             parts.append(section(json.loads(path.read_text()), results, out))

@@ -1,5 +1,5 @@
-"""`python -m bench server --quick` (the CI smoke run) against tiny models trained in the test run,
-then `python -m bench report` from what it wrote: it runs and its output is sane. No speed is
+"""`python -m bench server --quick` (the CI smoke run; also its backlog scenario) against tiny models
+trained in the test run, then `python -m bench report` from what it wrote: it runs and its output is sane. No speed is
 asserted; the machine the tests run on decides those."""
 from __future__ import annotations
 
@@ -46,6 +46,29 @@ def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(
     text = page.read_text()
     assert "## Server under load" in text and "`python -m bench server --quick" in text
     assert "](results/bench-server-latency.png)" in text and "bench-engine.json` is not there yet" in text
+
+
+def test_quick_backlog_scenario_times_one_text_calls_behind_a_backlog_and_the_report_renders_it(served_models,
+                                                                                                   tmp_path):
+    results = tmp_path / "results"
+    code = bench_main(["server", "--scenario", "backlog", "--quick", "--models-dir", str(served_models),
+                       "--model", "tiny-de-en", "--build-cache", str(tmp_path / "build"), "--out-dir", str(results)])
+    assert code == 0
+    result = json.loads((results / "bench-server-backlog.json").read_text())
+    assert result["settings"]["model"] == "tiny-de-en" and len(result["machine"]["load_average_end"]) == 3
+    plan = result["settings"]["plan"]
+    assert "--workers" not in result["settings"]["server_flags"]  # the server's defaults
+    for r in result["rounds"]:
+        assert r["backlog_texts"] == plan["streams"] * plan["texts_per_stream"] and r["backlog_errors"] == []
+        assert r["calls"] >= 1 and r["ok"] == r["calls"] and r["result_cache_hits"] == 0  # every text new
+        assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"] <= r["latency_ms"]["max"]
+    assert result["idle"]["calls"] == plan["idle_probes"] and result["idle"]["latency_ms"]["p50"] > 0
+    assert set(result["targets"]) == {"one_text_p99_ms_behind_backlog"}
+
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "## One-text calls behind a backlog" in text and "`python -m bench server --scenario backlog" in text
 
 
 def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_models, tmp_path):
