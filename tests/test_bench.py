@@ -71,6 +71,26 @@ def test_quick_backlog_scenario_times_one_text_calls_behind_a_backlog_and_the_re
     assert "## One-text calls behind a backlog" in text and "`python -m bench server --scenario backlog" in text
 
 
+def test_quick_memory_benchmark_samples_the_pods_server_through_every_phase(served_models, tmp_path):
+    results = tmp_path / "results"
+    code = bench_main(["memory", "--quick", "--setting", "pod", "--models-dir", str(served_models),
+                       "--build-cache", str(tmp_path / "build"), "--out-dir", str(results)])
+    assert code == 0
+    result = json.loads((results / "bench-memory.json").read_text())
+    pod = result["settings"]["pod"]
+    assert "--replicas=thread" in pod["flags"]  # deploy/k8s/deployment.yaml's own arguments
+    assert set(pod["peaks"]) == {"loaded", "caches", "steady", "extreme", "spike", "after"}
+    assert all(0 < p["pss_mib"] <= p["rss_mib"] for p in pod["peaks"].values())
+    assert pod["peak_pss_mib"] == max(p["pss_mib"] for p in pod["peaks"].values())
+    assert pod["load"]["phases"]["steady"]["texts_per_s"] > 0
+    assert pod["load"]["phases"]["spike"]["calls"].get("OK", 0) > 0
+    assert result["pod_limit"]["mib"] > 0 and set(result["targets"]) == {"pod_peak_pss_within_limit",
+                                                                         "pod_peak_rss_within_limit"}
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    assert "## Memory under load" in page.read_text()
+
+
 def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_models, tmp_path):
     out = tmp_path / "bench-engine.json"
     code = bench_main(["engine", "--quick", "--checkpoint", str(served_models / "tiny-en-de"), "--gret-checkpoint", "",
