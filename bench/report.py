@@ -183,31 +183,36 @@ def server_section(data: dict, results: Path, out: Path) -> str:
 
 def backlog_section(data: dict, results: Path, out: Path) -> str:
     s, plan = data["settings"], data["settings"]["plan"]
-    rows = [["idle (one at a time, before the backlog)", "—", "—", "—", data["idle"]["calls"],
-             data["idle"]["latency_ms"]["p50"], data["idle"]["latency_ms"]["p99"], data["idle"]["latency_ms"]["max"],
-             "", ""]]
-    for i, r in enumerate(data["rounds"]):
-        lat = r["latency_ms"]
-        rows.append([f"round {i + 1}", r["backlog_texts"], r["backlog_seconds"], r["queued_at_first_call"],
-                     f"{r['ok']}/{r['calls']}", lat["p50"], lat["p99"], lat["max"],
-                     ", ".join(f"{k} {n}" for k, n in r["errors"].items()) or "none",
-                     "/".join(f"{x:.1f}" for x in r["load_average"])])
-    pooled = data["all_rounds"]
-    rows.append(["all rounds", "", "", "", pooled["calls"], pooled["latency_ms"]["p50"], pooled["latency_ms"]["p99"],
-                 pooled["latency_ms"]["max"], "", ""])
+    summary, rounds = [], []
+    for name, m in data["servers"].items():
+        a = m["all_rounds"]
+        summary.append([f"`{name}`", f"`{' '.join(shown_flags(m['server_flags']))}`", m["idle"]["latency_ms"]["p50"],
+                        a["calls"], a["latency_ms"]["p50"], a["latency_ms"]["p90"], a["latency_ms"]["p99"],
+                        a["latency_ms"]["max"], a["backlog_texts_per_s_median"]])
+        for i, r in enumerate(m["rounds"]):
+            lat = r["latency_ms"]
+            rounds.append([i + 1, f"`{name}`", r["backlog_texts"], r["backlog_seconds"], r["backlog_texts_per_s"],
+                           r["queued_at_first_call"], f"{r['ok']}/{r['calls']}", lat["p50"], lat["p99"], lat["max"],
+                           ", ".join(f"{k} {n}" for k, n in r["errors"].items()) or "none",
+                           "/".join(f"{x:.1f}" for x in r["load_average"])])
+    rounds.sort(key=lambda row: row[0])
     parts = [
         "## One-text calls behind a backlog",
         provenance(data),
-        (f"`python -m server` with its default flags (`{' '.join(s['server_flags'])}`: the model and the ports only), "
-         f"`{s['model']}` ({s['architecture']}, {s['backend']}), options {s['options']}. Each round sends "
-         f"{plan['streams']} TranslateStream calls of {plan['texts_per_stream']} texts at once (a "
-         f"{plan['streams'] * plan['texts_per_stream']}-text backlog), then a one-text Translate call every "
-         f"{plan['probe_interval_s']} s until the backlog is answered; counted are the one-text calls sent before "
-         f"then, latency from sending to the answer. {s['texts']}, so neither cache answers. Queued: the texts "
-         "waiting for admission (the server's queue-depth metric) when the first one-text call went out. Load: the "
-         "machine's load average (1/5/15 min) after the round."),
-        table(["", "backlog texts", "backlog s", "queued", "one-text calls ok", "p50 ms", "p99 ms", "max ms", "errors",
-               "load"], rows),
+        (f"`python -m server` with its default flags (the model and the ports named, nothing else), `{s['model']}` "
+         f"({s['architecture']}, {s['backend']}), options {s['options']}; beside it, servers with other flags, the "
+         f"servers taking turns round by round. Each round sends {plan['streams']} TranslateStream calls of "
+         f"{plan['texts_per_stream']} texts at once (a {plan['streams'] * plan['texts_per_stream']}-text backlog), "
+         f"then a one-text Translate call every {plan['probe_interval_s']} s until the backlog is answered; counted "
+         "are the one-text calls sent before then, latency from sending to the answer. Idle: the same calls one at a "
+         f"time before any backlog. {s['texts']}, so neither cache answers. Backlog texts/s: the backlog's texts over "
+         "the time from sending it to its last answer (the server at saturation)."),
+        table(["server", "flags", "idle p50 ms", "one-text calls", "p50 ms", "p90 ms", "p99 ms", "max ms",
+               "backlog texts/s (median round)"], summary),
+        ("Per round. Queued: the texts waiting for admission (the server's queue-depth metric) when the first "
+         "one-text call went out. Load: the machine's load average (1/5/15 min) after the round."),
+        table(["round", "server", "backlog texts", "backlog s", "backlog texts/s", "queued", "one-text calls ok",
+               "p50 ms", "p99 ms", "max ms", "errors", "load"], rounds),
         targets_table(data["targets"]),
     ]
     return "\n\n".join(p for p in parts if p)

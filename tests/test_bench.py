@@ -52,17 +52,21 @@ def test_quick_backlog_scenario_times_one_text_calls_behind_a_backlog_and_the_re
                                                                                                    tmp_path):
     results = tmp_path / "results"
     code = bench_main(["server", "--scenario", "backlog", "--quick", "--models-dir", str(served_models),
-                       "--model", "tiny-de-en", "--build-cache", str(tmp_path / "build"), "--out-dir", str(results)])
+                       "--model", "tiny-de-en", "--build-cache", str(tmp_path / "build"), "--out-dir", str(results),
+                       "--compare", "--max-call-share 1"])
     assert code == 0
     result = json.loads((results / "bench-server-backlog.json").read_text())
     assert result["settings"]["model"] == "tiny-de-en" and len(result["machine"]["load_average_end"]) == 3
     plan = result["settings"]["plan"]
-    assert "--workers" not in result["settings"]["server_flags"]  # the server's defaults
-    for r in result["rounds"]:
-        assert r["backlog_texts"] == plan["streams"] * plan["texts_per_stream"] and r["backlog_errors"] == []
-        assert r["calls"] >= 1 and r["ok"] == r["calls"] and r["result_cache_hits"] == 0  # every text new
-        assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"] <= r["latency_ms"]["max"]
-    assert result["idle"]["calls"] == plan["idle_probes"] and result["idle"]["latency_ms"]["p50"] > 0
+    assert set(result["servers"]) == {"defaults", "--max-call-share 1"}
+    assert result["servers"]["defaults"]["server_flags"][-2:] != ["--max-call-share", "1"]
+    for server in result["servers"].values():
+        for r in server["rounds"]:
+            assert r["backlog_texts"] == plan["streams"] * plan["texts_per_stream"] and r["backlog_errors"] == []
+            assert r["calls"] >= 1 and r["ok"] == r["calls"] and r["result_cache_hits"] == 0  # every text new
+            assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"] <= r["latency_ms"]["max"]
+        assert server["idle"]["calls"] == plan["idle_probes"] and server["idle"]["latency_ms"]["p50"] > 0
+        assert server["all_rounds"]["backlog_texts_per_s_median"] > 0
     assert set(result["targets"]) == {"one_text_p99_ms_behind_backlog"}
 
     page = tmp_path / "BENCHMARKS.md"
