@@ -44,7 +44,7 @@ class ServerConfig:
     workers: int = 0  # engine loops per model, each with its own running batch (uses workers x threads cores); 0: one per CPU core this process may use
     replicas: str = "process"  # what runs each engine loop: process (a worker process with its own model session: loops do not share the GIL) or thread (threads sharing one session); ct2 uses CTranslate2's own replicas
     batching: str = "continuous"  # continuous: admit at every decoder step; request: only into an empty batch; none: one text at a time
-    max_batch_tokens: int = 6144  # admission budget of each engine loop: sum of beam x (source + output limit) of the texts in its batch; larger batches decode more texts per second up to a point, and every text in them more slowly (python -m bench server --scenario backlog)
+    max_batch_tokens: int = 8192  # admission budget of each engine loop, what its batch's caches hold: the sum over its texts of beam x (source + the batch's longest output limit); a larger batch decodes more texts per second up to a point, and each of them more slowly (python -m bench server --scenario backlog)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
     max_call_share: float = 0.05  # per-call cap: while other calls of its priority wait, a call holding this share of an engine loop's admission budget gets no more texts admitted (the room its finished texts free goes to the others); 1: no cap
     cache_mb: int = 256  # encoder caches of all models together, split equally (deploy/k8s sizes the pod with it)

@@ -13,7 +13,7 @@ from server.backends import TorchBackend
 from server.engine.batch import banned_tokens
 from server.engine.engine import Draining, Engine, Replicas
 from server.engine.options import DecodingOptions, Limits, OptionError
-from server.engine.scheduler import QueueFull, Scheduler
+from server.engine.scheduler import QueueFull, Scheduler, batch_cost
 from server.engine.result_cache import ResultCache, result_key
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
 from server.engine.topk import row_topk
@@ -260,6 +260,18 @@ def texts(n: int, priority: int = 0, budget: int = 10) -> list[Sequence]:
     """n waiting texts of one call, each charging `budget` (beam 1: source + output limit)."""
     return [Sequence([1] * (budget - 5), DecodingOptions(beam=1), 5, on_done=lambda s: None, priority=priority)
             for _ in range(n)]
+
+
+def test_a_batch_is_charged_every_row_at_the_width_of_its_longest_output_limit():
+    """Each row's self-attention cache is as wide as the batch's longest output limit: ten short
+    texts (budget 10 each alone) fit a budget of 100 by themselves, but beside a text that may
+    write 50 tokens each is charged 5 + 50."""
+    long = Sequence([1] * 5, DecodingOptions(beam=1), 50, on_done=lambda s: None)
+    assert batch_cost(texts(10)) == 100 and batch_cost([long, *texts(1)]) == 110
+    scheduler = Scheduler(max_batch_tokens=200)
+    scheduler.add([long])
+    scheduler.add(short := texts(10))
+    assert scheduler.admit([]) == [long, *short[:2]]  # 55 + 2 x 55 = 165; a third would make 220
 
 
 def test_higher_priority_texts_are_admitted_first_and_calls_of_one_priority_take_turns():

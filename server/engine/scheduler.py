@@ -1,7 +1,10 @@
 """The waiting queue and who joins the running batch when.
 
-Admission is budgeted in beam x tokens (Sequence.rows_budget: beam x (source + output limit)):
-the running batch holds at most max_batch_tokens. Each call's texts wait in their own line, first
+Admission is budgeted in beam x tokens, as the batch holds them: every row's self-attention cache is
+as wide as the longest output limit in the batch, so a batch costs the sum over its texts of
+beam x (source + the batch's longest output limit), at most max_batch_tokens (batch_cost). That is
+the memory the batch's caches need, whatever mix of short and long texts it holds: a short text
+joining a long one is charged the long one's width. Each call's texts wait in their own line, first
 come first served, and the next text admitted is chosen in three rules:
 
   1. Priority. The calls of the highest priority with texts waiting go first (the request's
@@ -40,6 +43,13 @@ _calls = itertools.count()  # one number per line, unique across the process's s
 
 class QueueFull(Exception):
     pass
+
+
+def batch_cost(seqs: list[Sequence]) -> int:
+    """What a batch of these texts holds, in beam x tokens: each row its source and, in the
+    self-attention cache, as many columns as the longest output limit in the batch."""
+    width = max((s.max_len for s in seqs), default=0)
+    return sum(s.options.beam * (len(s.src) + width) for s in seqs)
 
 
 @dataclass(eq=False)
@@ -137,18 +147,22 @@ class Scheduler:
         """Sequences to join a batch that holds `running`."""
         if self.policy != "continuous" and running:
             return []
-        used = sum(s.rows_budget for s in running)
-        held = Counter()  # budget in the batch by call
+        beams = sum(s.options.beam for s in running)  # batch_cost's terms, kept up to date
+        sources = sum(s.options.beam * len(s.src) for s in running)
+        width = max((s.max_len for s in running), default=0)
+        held = Counter()  # each call's own budget (Sequence.rows_budget) in the batch: what the cap counts
         for s in running:
             held[s.call] += s.rows_budget
         admitted = []
         while self.waiting:
             line = self.next_line(held)
             head = line.texts[0]
-            if used + head.rows_budget > self.max_batch_tokens and (running or admitted):
+            beam = head.options.beam
+            cost = sources + beam * len(head.src) + (beams + beam) * max(width, head.max_len)
+            if cost > self.max_batch_tokens and (running or admitted):
                 break
             admitted.append(self.waiting.take(line))
-            used += head.rows_budget
+            beams, sources, width = beams + beam, sources + beam * len(head.src), max(width, head.max_len)
             held[line.call] += head.rows_budget
             if self.policy == "none":
                 break

@@ -47,7 +47,8 @@ class Sequence:
 
     @property
     def rows_budget(self) -> int:
-        """What admission charges: beam x (source + output tokens)."""
+        """Its own size in beam x tokens: beam x (source + output limit). Admission charges a batch by
+        its longest output limit instead (scheduler.batch_cost); the per-call cap counts this."""
         return self.options.beam * (len(self.src) + self.max_len)
 
     def expired(self, now: float) -> bool:
