@@ -5,7 +5,8 @@ under load: the server process and every process it started (engine workers, mul
 resource tracker) together, sampled every 0.2 s. Settings:
   defaults  `python -m server` with its default flags (a worker process per usable core per model)
   pod       the arguments of deploy/k8s/deployment.yaml (its --models-dir replaced by --models-dir)
-  pod-processes  the pod's arguments with one worker process per model (--replicas process --workers 1)
+  pod-threads  the pod's arguments with the engine loops as threads of one process, as many per model
+            as usable cores (--replicas=thread, no --workers: what the pod ran before)
 
 The load drives all models at once, in four phases:
   1. caches   distinct texts with cheap options (beam 1, one output token), until every model's
@@ -297,8 +298,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", type=Path, default=PROJECT_ROOT / "models")
-    p.add_argument("--setting", nargs="+", choices=("defaults", "pod", "pod-processes"),
-                   default=["pod", "pod-processes", "defaults"])
+    p.add_argument("--setting", nargs="+", choices=("defaults", "pod", "pod-threads"),
+                   default=["pod", "pod-threads", "defaults"])
     p.add_argument("--build-cache", type=Path, help="the server's ONNX build cache (default: $GRET_SERVE_CACHE "
                                                     "or ~/.cache/gret-serve)")
     p.add_argument("--out-dir", type=Path, help="default: runs/bench (docs/results with --publish)")
@@ -309,8 +310,8 @@ def main(argv=None) -> int:
     args.out_dir = args.out_dir or results_dir(args.publish)
     started, load_start = time.monotonic(), os.getloadavg()
     settings = {"defaults": ["--models-dir", str(args.models_dir)], "pod": pod_flags(args.models_dir),
-                "pod-processes": [*(a for a in pod_flags(args.models_dir) if not a.startswith("--replicas")),
-                                  "--replicas=process", "--workers=1"]}
+                "pod-threads": [*(a for a in pod_flags(args.models_dir) if not a.startswith(("--replicas", "--workers"))),
+                                "--replicas=thread"]}
     limit_text, limit = pod_memory_limit()
     measured = {}
     for name in args.setting:
