@@ -806,7 +806,9 @@ def git_commit() -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        return commit + (" (with uncommitted changes)" if git("status", "--porcelain") else "")
+        # results being written (docs/results, runs/) are not changes to what is measured
+        changed = git("status", "--porcelain", "--", ".", ":!docs/results", ":!runs")
+        return commit + (" (with uncommitted changes)" if changed else "")
     except OSError:
         return ""
 
