@@ -310,8 +310,8 @@ def main(argv=None) -> int:
     args.out_dir = args.out_dir or results_dir(args.publish)
     started, load_start = time.monotonic(), os.getloadavg()
     settings = {"defaults": ["--models-dir", str(args.models_dir)], "pod": pod_flags(args.models_dir),
-                "pod-threads": [*(a for a in pod_flags(args.models_dir) if not a.startswith(("--replicas", "--workers"))),
-                                "--replicas=thread"]}
+                "pod-threads": [*(a for a in pod_flags(args.models_dir)
+                                  if not a.startswith(("--replicas", "--workers"))), "--replicas=thread"]}
     limit_text, limit = pod_memory_limit()
     measured = {}
     for name in args.setting:
@@ -324,7 +324,8 @@ def main(argv=None) -> int:
         "commit": git_commit(),
         "machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
                     "platform": platform.platform(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg(), "note": "shared machine" + (f"; {args.note}" if args.note else "")},
+                    "load_average_end": os.getloadavg(),
+                    "note": "shared machine" + (f"; {args.note}" if args.note else "")},
         "versions": versions(),
         "quick": args.quick,
         "pod_limit": {"memory": limit_text, "mib": limit / 2**20},

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench.__main__ import main as bench_main
+from bench.memory import pod_flags
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -82,7 +83,7 @@ def test_quick_memory_benchmark_samples_the_pods_server_through_every_phase(serv
     assert code == 0
     result = json.loads((results / "bench-memory.json").read_text())
     pod = result["settings"]["pod"]
-    assert "--replicas=thread" in pod["flags"]  # deploy/k8s/deployment.yaml's own arguments
+    assert pod["flags"][: len(deployed := pod_flags(served_models))] == deployed  # deploy/k8s/deployment.yaml's
     assert set(pod["peaks"]) == {"loaded", "caches", "steady", "extreme", "spike", "after"}
     assert all(0 < p["pss_mib"] <= p["rss_mib"] for p in pod["peaks"].values())
     assert pod["peak_pss_mib"] == max(p["pss_mib"] for p in pod["peaks"].values())

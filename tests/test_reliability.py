@@ -10,6 +10,7 @@ broken model files stop the start with a message naming the file; a full queue r
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import operator
@@ -33,6 +34,7 @@ from server.__main__ import main as server_main
 from server.client import Client
 from server.engine.options import DecodingOptions
 from server.documents import segment
+from server.engine.scheduler import batch_cost
 from server.engine.sequence import CANCELLED, DEADLINE
 from server.languages import normalize
 from server.unknowns import Alphabet, protect
@@ -450,8 +452,10 @@ class StepLog:
 
 @pytest.fixture(scope="module")
 def roomy(served_models):
-    """A server with the default limits (long outputs allowed) and one model."""
-    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=["tiny-de-en"]))
+    """A server with the default limits (long outputs allowed) and one model; a budget that lets
+    beside_a_running_call's 16 long beam-4 texts join the batch at once."""
+    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=["tiny-de-en"],
+                                       max_batch_tokens=16384))
     yield running
     running.stop()
 
@@ -591,18 +595,31 @@ def test_a_stream_cancelled_while_its_write_waits_for_the_clients_window_stops_d
 SHORT = dict(max_length_ratio=10, max_length=8, min_length=8)
 
 
-def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after_their_backlog(served_models):
-    """Calls take turns at admission: behind 4 calls of 16 texts each, a one-text call is the
-    fifth admitted (first come, first served by text, it would be the 65th)."""
+@contextlib.contextmanager
+def engine_held_behind_one_call(served_models, offset: int):
+    """A server with the vanilla model and a small budget (two or three texts decode at a time),
+    one one-text call decoding, and the engine held between two steps until log.release is set:
+    what the test queues meanwhile is all waiting at once. Yields (server, stub, log, the call)."""
     server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
-                                      max_batch_tokens=80))  # two or three texts decode at a time
+                                      max_batch_tokens=80))
     engine = server.registry.pipelines[VANILLA].engine
     log = engine.observer = StepLog(engine.observer)
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
-        running = stub.Translate.future(to_german(german(1, offset=600), beam=1, **SHORT), timeout=120)
+        running = stub.Translate.future(to_german(german(1, offset=offset), beam=1, **SHORT), timeout=120)
         log.hold = 1
-        assert log.held.wait(60)  # the engine waits between two steps while the queue fills
+        assert log.held.wait(60)
+        yield server, stub, log, running
+    finally:
+        log.release.set()
+        server.stop()
+
+
+def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after_their_backlog(served_models):
+    """Calls take turns at admission: behind 4 calls of 16 texts each, a one-text call is the
+    fifth admitted (first come, first served by text, it would be the 65th)."""
+    with engine_held_behind_one_call(served_models, offset=600) as (server, stub, log, running):
+        engine = server.registry.pipelines[VANILLA].engine
         backlog = [stub.Translate.future(to_german(german(16, offset=610 + 16 * i), beam=1, **SHORT), timeout=120)
                    for i in range(4)]
         wait_until(lambda: engine.queued() == 64)
@@ -611,9 +628,6 @@ def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after
         log.release.set()
         for call in [running, small, *backlog]:
             call.result(120)
-    finally:
-        log.release.set()
-        server.stop()
     source = lambda text: server.registry.pipelines[VANILLA].sequences([text], DecodingOptions(), None)[0].src  # noqa: E731
     first, small = source(german(1, offset=600)[0]), source(german(1, offset=700)[0])
     small_seq = next(s for s in log.done if s.src == small)
@@ -627,15 +641,8 @@ def test_a_higher_priority_call_is_admitted_before_any_waiting_text_of_a_lower_p
     """Priority is strict: behind a backlog at priorities 0 and -5, a one-text call at priority 5 is
     the first admitted once the engine admits again, and no text of priority -5 joins the batch
     while one of priority 0 waits."""
-    server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
-                                      max_batch_tokens=80))  # two or three texts decode at a time
-    engine = server.registry.pipelines[VANILLA].engine
-    log = engine.observer = StepLog(engine.observer)
-    try:
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
-        running = stub.Translate.future(to_german(german(1, offset=800), beam=1, **SHORT), timeout=120)
-        log.hold = 1
-        assert log.held.wait(60)  # the engine waits between two steps while the queue fills
+    with engine_held_behind_one_call(served_models, offset=800) as (server, stub, log, running):
+        engine = server.registry.pipelines[VANILLA].engine
         backlog = [stub.Translate.future(to_german(german(8, offset=810 + 8 * i), beam=1, priority=p, **SHORT),
                                          timeout=120) for i, p in enumerate((-5, 0, 0))]
         wait_until(lambda: engine.queued() == 24)
@@ -644,9 +651,6 @@ def test_a_higher_priority_call_is_admitted_before_any_waiting_text_of_a_lower_p
         log.release.set()
         for call in [running, urgent, *backlog]:
             assert len(call.result(120).results) in (1, 8)
-    finally:
-        log.release.set()
-        server.stop()
     first = min(log.done, key=lambda s: s.admitted)  # the call that was running
     queued = [s for s in log.done if s is not first]
     by_priority = {p: [s for s in queued if s.priority == p] for p in (5, 0, -5)}
@@ -688,16 +692,17 @@ def test_while_another_call_waits_a_call_holding_its_share_of_the_batch_gets_no_
     """--max-call-share 0.5: a 24-text call fills the batch alone, then a second one queues. From
     then on, while the other has texts waiting, no call that holds half the admission budget or
     more is given another text: the room its finished texts free goes to the other call."""
-    budget = 1000
+    budget = 1500
     server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
                                       max_batch_tokens=budget, max_call_share=0.5))
     pipeline = server.registry.pipelines[VANILLA]
     engine = pipeline.engine
     log = engine.observer = StepLog(engine.observer)
     first, second = german(24, offset=900), german(24, offset=930)  # outputs of many lengths: they leave one by one
-    costs = [s.rows_budget for d in pipeline.documents(first, DecodingOptions(beam=1), None) for s in d.sequences]
-    fitting = next(i for i in range(len(costs) + 1) if i == len(costs) or sum(costs[: i + 1]) > budget)
-    assert fitting >= 6 and sum(costs[:fitting]) >= budget / 2  # the first call holds its share when the second comes
+    seqs = [s for d in pipeline.documents(first, DecodingOptions(beam=1), None) for s in d.sequences]
+    fitting = next(i for i in range(len(seqs) + 1) if i == len(seqs) or batch_cost(seqs[: i + 1]) > budget)
+    # the first call holds its share when the second comes
+    assert fitting >= 6 and sum(s.rows_budget for s in seqs[:fitting]) >= budget / 2
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
         calls = [stub.Translate.future(to_german(first, beam=1), timeout=120)]
