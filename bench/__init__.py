@@ -2,10 +2,12 @@
 
     python -m bench engine [--quick]   offline decoding: our engine vs CTranslate2 vs PyTorch
     python -m bench server [--quick]   gRPC load: latency vs offered load per batching policy
+    python -m bench server --scenario backlog   one-text calls while a 640-text backlog decodes
     python -m bench speed [--quick]    the server with its defaults vs CTranslate2 int8, GRET vs vanilla
     python -m bench replicas --repository REPO   engine loops as threads vs worker processes
     python -m bench http [--quick]     the HTTP/JSON front end against gRPC on one server, same load
     python -m bench segmenters|unknowns|documents|summaries   issue 19's measurements (docs/DOCUMENTS.md)
+    python -m bench memory [--quick]   peak memory of the server with every shipped model under load
     python -m bench report             BENCHMARKS.md from bench-*.json
     python -m bench.soak               the 10-minute soak at ~70% of saturation
 

@@ -1,7 +1,8 @@
 """python -m bench report [--publish] [--results DIR] [--out FILE]
 
-Renders the benchmarks' page from the JSON that `python -m bench engine` and `python -m bench
-server` wrote (bench-engine.json, bench-server.json) and embeds their plots. Every number on the
+Renders the benchmarks' page from the JSON that `python -m bench speed`, `engine`, `server` and
+`server --scenario backlog` and `memory` wrote (bench-speed.json, bench-engine.json,
+bench-server.json, bench-server-backlog.json, bench-memory.json) and embeds their plots. Every number on the
 page comes from those files; a benchmark that has not been run is named with its command. By
 default runs/bench/BENCHMARKS.md from runs/bench; with --publish docs/BENCHMARKS.md from docs/results.
 """
@@ -180,6 +181,90 @@ def server_section(data: dict, results: Path, out: Path) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def backlog_section(data: dict, results: Path, out: Path) -> str:
+    s, plan = data["settings"], data["settings"]["plan"]
+    summary, rounds = [], []
+    for name, m in data["servers"].items():
+        a = m["all_rounds"]
+        summary.append([f"`{name}`", f"`{' '.join(shown_flags(m['server_flags']))}`", m["idle"]["latency_ms"]["p50"],
+                        a["calls"], a["latency_ms"]["p50"], a["latency_ms"]["p90"], a["latency_ms"]["p99"],
+                        a["latency_ms"]["max"], a["backlog_texts_per_s_median"]])
+        for i, r in enumerate(m["rounds"]):
+            lat = r["latency_ms"]
+            rounds.append([i + 1, f"`{name}`", r["backlog_texts"], r["backlog_seconds"], r["backlog_texts_per_s"],
+                           r["queued_at_first_call"], f"{r['ok']}/{r['calls']}", lat["p50"], lat["p99"], lat["max"],
+                           ", ".join(f"{k} {n}" for k, n in r["errors"].items()) or "none",
+                           "/".join(f"{x:.1f}" for x in r["load_average"])])
+    rounds.sort(key=lambda row: row[0])
+    parts = [
+        "## One-text calls behind a backlog",
+        provenance(data),
+        (f"`python -m server` with its default flags (the model and the ports named, nothing else), `{s['model']}` "
+         f"({s['architecture']}, {s['backend']}), options {s['options']}; beside it, servers with other flags, the "
+         f"servers taking turns round by round. Each round sends {plan['streams']} TranslateStream calls of "
+         f"{plan['texts_per_stream']} texts at once (a {plan['streams'] * plan['texts_per_stream']}-text backlog), "
+         f"then a one-text Translate call every {plan['probe_interval_s']} s until the backlog is answered; counted "
+         "are the one-text calls sent before then, latency from sending to the answer. Idle: the same calls one at a "
+         f"time before any backlog. {s['texts']}, so neither cache answers. Backlog texts/s: the backlog's texts over "
+         "the time from sending it to its last answer (the server at saturation)."),
+        table(["server", "flags", "idle p50 ms", "one-text calls", "p50 ms", "p90 ms", "p99 ms", "max ms",
+               "backlog texts/s (median round)"], summary),
+        ("Per round. Queued: the texts waiting for admission (the server's queue-depth metric) when the first "
+         "one-text call went out. Load: the machine's load average (1/5/15 min) after the round."),
+        table(["round", "server", "backlog texts", "backlog s", "backlog texts/s", "queued", "one-text calls ok",
+               "p50 ms", "p99 ms", "max ms", "errors", "load"], rounds),
+        targets_table(data["targets"]),
+    ]
+    return "\n\n".join(p for p in parts if p)
+
+
+def memory_section(data: dict, results: Path, out: Path) -> str:
+    settings = data["settings"]
+    phases = ["loaded", "caches", "steady", "extreme", "spike", "after"]
+    rows = []
+    for name, m in settings.items():
+        peaks, load = m["peaks"], m["load"]["phases"]
+        steady = load.get("steady", {})
+        rows.append([f"`{name}`", f"`{' '.join(shown_flags(m['flags']))}`",
+                     m["processes_at_peak"],
+                     *[peaks[p]["pss_mib"] if p in peaks else "—" for p in phases],
+                     m["peak_pss_mib"], m["peak_rss_mib"],
+                     steady.get("texts_per_s", "—"), steady.get("latency_ms", {}).get("p50", "—")])
+    plan = next(iter(settings.values()))["load"]["plan"]
+    parts = [
+        "## Memory under load",
+        provenance(data),
+        ("`python -m server` serving every shipped model, the server process and the processes it started together, "
+         f"sampled every 0.2 s. Phases, all models at once: caches (distinct cheap texts until every encoder cache "
+         f"has evicted, at most {plan['caches']['texts']} texts per model), steady ({plan['steady']['callers']} "
+         f"callers in a closed loop for {plan['steady']['seconds']} s, one text per call, default options), extreme "
+         f"(for {plan['extreme']['seconds']} s, per model {plan['extreme']['callers']} callers with the largest valid "
+         "options: beam and n-best at the maximum, every output as long as the model allows, scores; beside as many "
+         f"with 256 short greedy texts each), spike ({plan['spike']['calls']} one-text calls at once). PSS: "
+         "proportional set size, each shared page divided among the processes that map it, so the sum counts it "
+         "once: what a cgroup's memory limit charges for them. RSS counts a shared page (libraries, the read-only "
+         f"model files) in every process: an upper bound. The pod's limit: {data['pod_limit']['memory']}."),
+        table(["setting", "flags", "processes", *[f"PSS MiB {p}" for p in phases], "peak PSS MiB", "peak RSS MiB",
+               "steady texts/s", "steady p50 ms"], rows),
+        targets_table(data["targets"]) if data.get("targets") else "",
+    ]
+    return "\n\n".join(p for p in parts if p)
+
+
+def shown_flags(flags: list[str]) -> list[str]:
+    """A server's flags without those that only say where it listens or builds (ports, build cache)."""
+    hidden = ("--metrics-port", "--http-port", "--port", "--build-cache")
+    shown, skip = [], False
+    for a in flags:
+        if skip:
+            skip = False
+        elif a in hidden:
+            skip = True
+        elif not a.startswith(tuple(h + "=" for h in hidden)):
+            shown.append(a)
+    return shown
+
+
 def speed_section(data: dict, results: Path, out: Path) -> str:
     s, med = data["settings"], data["medians"]
     names = [n for n in data["rounds"][0] if n != "ratios"]
@@ -227,7 +312,10 @@ def render(results: Path, out: Path) -> str:
              "so absolute times move between runs: read the ratios and the side-by-side comparisons.")]
     for name, section, command in (("bench-speed.json", speed_section, "python -m bench speed"),
                                    ("bench-engine.json", engine_section, "python -m bench engine"),
-                                   ("bench-server.json", server_section, "python -m bench server")):
+                                   ("bench-server.json", server_section, "python -m bench server"),
+                                   ("bench-server-backlog.json", backlog_section,
+                                    "python -m bench server --scenario backlog"),
+                                   ("bench-memory.json", memory_section, "python -m bench memory")):
         path = results / name
         if path.exists():
             parts.append(section(json.loads(path.read_text()), results, out))

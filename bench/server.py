@@ -1,7 +1,9 @@
-"""python -m bench server [--quick] [--publish] [--models-dir models] [--model multi30k-de-en] [--threads 2]
+"""python -m bench server [--scenario policies|backlog] [--quick] [--publish] [--models-dir models]
+                         [--model multi30k-de-en]
 
-gRPC load on loopback against the real server (`python -m server`, one subprocess per batching
-policy: continuous, request, none), all started at once so that the policies can take turns:
+--scenario policies (the default): gRPC load on loopback against the real server (`python -m
+server`, one subprocess per batching policy: continuous, request, none), all started at once so
+that the policies can take turns:
   1. saturation: closed loop at a high concurrency, in rounds; each round also times the same
      engine offline (no gRPC, in this process) on the same texts, as the in-run reference;
   2. latency against offered load: open loop (Poisson arrivals) at fractions of each policy's
@@ -20,11 +22,21 @@ Writes bench-server.json and PNG plots to --out-dir (runs/bench; docs/results wi
 the side-by-side comparisons mean much: the load average is recorded at the start, at every point
 and at the end, and every point records the CPU seconds each server (and the load generator) used
 during it.
+
+--scenario backlog [--compare FLAGS ...]: fairness between calls. One server with its default flags
+(only the model and the ports named), and one beside it per --compare, taking turns round by round;
+20 TranslateStream calls of 32 texts each are sent at once (a 640-text backlog),
+then, while it decodes, a one-text Translate call every 0.1 s; the latency of those one-text calls
+(p50, p99; target: p99 at most 1 s) against the same calls one at a time on the idle server. Every
+text is new to the server (the backlog from Multi30K train, the one-text calls from val and the
+test sets), so neither cache answers any. Writes bench-server-backlog.json; the load average
+is recorded at the start, after every round and at the end.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -76,8 +88,8 @@ class Plan:
     cache_pairs: int
 
 
-# 64 callers: about the most that the servers' admission budget (16384 beam x tokens) lets into one
-# batch of Multi30K sentences at beam 4, so a larger concurrency only lengthens the queue.
+# 64 callers: about as many Multi30K sentences at beam 4 as the servers' engine loops admit at once (their
+# admission budgets, --max-batch-tokens per loop), so a larger concurrency only lengthens the queue.
 FULL = Plan(rounds=2, concurrency=64, saturation_seconds=30, warmup_seconds=10, max_requests=2000,
             fractions=(0.25, 0.5, 0.75, 0.9), open_seconds=25, drain_seconds=60, offline_texts=64, cache_pairs=12)
 QUICK = Plan(rounds=1, concurrency=8, saturation_seconds=5, warmup_seconds=1, max_requests=2000, fractions=(0.5,),
@@ -514,6 +526,184 @@ def plot(result: dict, out_dir: Path) -> dict:
     return {"latency": latency_png.name, "cache": cache_png.name}
 
 
+# ---- one-text calls behind a backlog (--scenario backlog) ------------------------------------------
+@dataclass(frozen=True)
+class Backlog:
+    streams: int  # TranslateStream calls sent at once ...
+    texts_per_stream: int  # ... of this many texts each: the backlog
+    probe_interval_s: float  # then one one-text Translate call every this many seconds while it decodes
+    rounds: int
+    idle_probes: int  # first, one-text calls one at a time on the idle server: the reference
+    queue_s: float  # the first one-text call goes this long after the backlog (time for it to reach the queue)
+
+
+BACKLOG = Backlog(streams=20, texts_per_stream=32, probe_interval_s=0.1, rounds=5, idle_probes=20, queue_s=0.5)
+BACKLOG_QUICK = Backlog(streams=8, texts_per_stream=32, probe_interval_s=0.05, rounds=1, idle_probes=3, queue_s=0.02)
+BACKLOG_TARGET_P99_MS = 1000.0
+
+
+def queue_depth(metrics_port: int) -> float:
+    """Texts waiting for admission, from the server's own metrics (all models)."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith("gret_serve_queue_depth{"))
+
+
+def latency(calls: list[Call]) -> dict:
+    ms = np.array([c.seconds for c in calls]) * 1000
+    p = [float(v) for v in np.percentile(ms, [50, 90, 99])] if len(ms) else [0.0] * 3
+    return {"p50": round(p[0], 1), "p90": round(p[1], 1), "p99": round(p[2], 1),
+            "max": round(float(ms.max()), 1) if len(ms) else 0.0}
+
+
+async def backlog_round(stub, model: str, backlog: list[str], probes, plan: Backlog, metrics_port: int) -> dict:
+    """The backlog's streams sent at once, then one-text calls at intervals until the last stream
+    ends. Counted: the one-text calls sent before then."""
+    async def stream(texts: list[str]) -> tuple[int, str, float]:
+        answered, code = 0, "OK"
+        try:
+            async for response in stub.TranslateStream(pb.TranslateRequest(texts=texts, model=model),
+                                                       timeout=CALL_TIMEOUT):
+                answered += len(response.results)
+        except grpc.aio.AioRpcError as e:
+            code = e.code().name
+        return answered, code, time.perf_counter()
+
+    n = plan.texts_per_stream
+    begin = time.perf_counter()
+    streams = [asyncio.create_task(stream(backlog[i * n: (i + 1) * n])) for i in range(plan.streams)]
+    await asyncio.sleep(plan.queue_s)  # the backlog reaches the server first
+    queued = asyncio.get_running_loop().run_in_executor(None, queue_depth, metrics_port)
+    sent = []
+    while not sent or not all(t.done() for t in streams):
+        sent.append(asyncio.create_task(call(stub, model, next(probes), {})))
+        await asyncio.sleep(plan.probe_interval_s)
+    queued = await queued
+    ended = await asyncio.gather(*streams)
+    end = max(e[2] for e in ended)
+    calls = [c for c in await asyncio.gather(*sent) if c.start < end]
+    ok = [c for c in calls if c.code == "OK"]
+    return {"backlog_texts": sum(e[0] for e in ended), "backlog_errors": sorted({e[1] for e in ended} - {"OK"}),
+            "backlog_seconds": round(end - begin, 2), "backlog_texts_per_s": round(sum(e[0] for e in ended)
+                                                                                   / (end - begin), 2),
+            "queued_at_first_call": queued, "calls": len(calls), "ok": len(ok),
+            "errors": dict(collections.Counter(c.code for c in calls if c.code != "OK")),
+            "result_cache_hits": sum(c.result_hit for c in ok), "latency_ms": latency(ok),
+            "load_average": [round(x, 2) for x in os.getloadavg()], "_calls": ok}
+
+
+async def measure_backlog(servers: dict, model: str, texts: dict, plan: Backlog) -> dict:
+    """Each server (name -> (address, metrics port)) in turn, round by round."""
+    channels = {name: grpc.aio.insecure_channel(address) for name, (address, _) in servers.items()}
+    stubs = {name: pb_grpc.InferenceStub(ch) for name, ch in channels.items()}
+    probes, backlog = iter(texts["probes"]), iter(texts["backlog"])
+    measured = {}
+    try:
+        for name, stub in stubs.items():
+            for _ in range(2):  # first calls set up sessions and arenas
+                await call(stub, model, next(probes), {})
+            idle = [await call(stub, model, next(probes), {}) for _ in range(plan.idle_probes)]
+            measured[name] = {"idle": {"calls": len(idle), "latency_ms": latency([c for c in idle if c.code == "OK"])},
+                              "rounds": []}
+        for r in range(plan.rounds):
+            for name in rotate(list(stubs), r):
+                work = list(itertools.islice(backlog, plan.streams * plan.texts_per_stream))
+                point = await backlog_round(stubs[name], model, work, probes, plan, servers[name][1])
+                measured[name]["rounds"].append(point)
+                print(f"backlog round {r} {name}: {point['backlog_texts']} texts in {point['backlog_seconds']} s; "
+                      f"{point['ok']} one-text calls, p50 {point['latency_ms']['p50']:.0f} ms, "
+                      f"p99 {point['latency_ms']['p99']:.0f} ms; load {point['load_average'][0]}", flush=True)
+    finally:
+        for ch in channels.values():
+            await ch.close()
+    for m in measured.values():
+        pooled = [c for r in m["rounds"] for c in r.pop("_calls")]
+        m["all_rounds"] = {"calls": len(pooled), "latency_ms": latency(pooled),
+                           "backlog_texts_per_s_median": round(statistics.median(
+                               r["backlog_texts_per_s"] for r in m["rounds"]), 2)}
+    return measured
+
+
+def backlog_texts(plan: Backlog, servers: int, seed: int) -> dict:
+    """Texts the server has never seen in this run: the backlog from Multi30K train, the one-text
+    calls from val and the test sets (the caches stay on, as by default, and must not answer)."""
+    backlog = [e.source for e in load_examples("multi30k", "train", "de", "en")]
+    probes = [e.source for split in ("val", "test_2016_flickr", "test_2017_flickr")
+              for e in load_examples("multi30k", split, "de", "en")]
+    rng = random.Random(seed)
+    rng.shuffle(backlog)
+    rng.shuffle(probes)
+    backlog = list(dict.fromkeys(backlog))
+    seen = set(backlog)
+    probes = list(dict.fromkeys(p for p in probes if p not in seen))
+    needed = plan.rounds * servers * plan.streams * plan.texts_per_stream
+    if len(backlog) < needed:
+        raise RuntimeError(f"the backlogs need {needed} distinct texts; Multi30K train has {len(backlog)}")
+    return {"backlog": backlog[:needed], "probes": probes}
+
+
+def run_backlog(args) -> int:
+    plan = BACKLOG_QUICK if args.quick else BACKLOG
+    started, load_start = time.monotonic(), os.getloadavg()
+    settings = {"defaults": [], **{" ".join(c): c for c in map(shlex.split, args.compare)}}
+    texts = backlog_texts(plan, len(settings), args.seed)
+    base = ["--models-dir", str(args.models_dir), "--models", args.model, "--http-port", "0"] + \
+        (["--build-cache", str(args.build_cache)] if args.build_cache else [])
+    flags, servers = {}, {}
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
+        for i, (name, extra) in enumerate(settings.items()):
+            port = free_port()
+            flags[name] = [*base, "--metrics-port", str(port), *extra]
+            server = ServerProcess(f"setting{i}", flags[name], Path(logs), {})
+            stack.callback(server.stop)
+            servers[name] = (server, port)
+        for server, _ in servers.values():
+            server.wait_serving(timeout=600)
+        with Client(servers["defaults"][0].address, timeout=10) as client:
+            info = next(m for m in client.list_models() if m.name == args.model)
+        measured = asyncio.run(measure_backlog({n: (s.address, port) for n, (s, port) in servers.items()},
+                                               args.model, texts, plan))
+    for name, m in measured.items():
+        m["server_flags"] = flags[name]
+    judged = measured["defaults"]["all_rounds"]
+    p99 = judged["latency_ms"]["p99"]
+    result = {
+        "command": "python -m bench server " + shlex.join(args.argv),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "settings": {"model": args.model, "model_version": info.version, "architecture": info.architecture,
+                     "backend": f"{info.backend} {info.precision}", "quick": args.quick,
+                     "seed": args.seed, "plan": dataclasses.asdict(plan), "options": "the server's defaults (beam 4)",
+                     "texts": "The backlog's texts come from Multi30K train (de), the one-text calls' from val and "
+                              "the test sets (de), each sent once", "call_timeout_s": CALL_TIMEOUT},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+                    "load_average_end": os.getloadavg(),
+                    "note": "shared machine: nothing paused" + (f"; {args.note}" if args.note else "")},
+        "versions": versions(),
+        "servers": measured,
+        "targets": {"one_text_p99_ms_behind_backlog": {
+            "target": BACKLOG_TARGET_P99_MS, "measured": p99, "lower_is_better": True,
+            "met": p99 <= BACKLOG_TARGET_P99_MS,
+            "note": f"the server's defaults: {judged['calls']} one-text calls over {plan.rounds} round(s), each sent "
+                    f"while a {plan.streams * plan.texts_per_stream}-text backlog decoded"}},
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "bench-server-backlog.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, m in measured.items():
+        a = m["all_rounds"]
+        print(f"{name}: one-text calls behind the backlog p50 {a['latency_ms']['p50']:.0f} ms, p99 "
+              f"{a['latency_ms']['p99']:.0f} ms; idle p50 {m['idle']['latency_ms']['p50']:.0f} ms; backlog "
+              f"{a['backlog_texts_per_s_median']} texts/s (median round)")
+    met = "met" if p99 <= BACKLOG_TARGET_P99_MS else "NOT met"
+    print(f"target p99 <= {BACKLOG_TARGET_P99_MS:.0f} ms with the defaults: {met}")
+    print(f"wrote {out} in {result['wall_seconds']:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -533,9 +723,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="what else the machine was doing, for the record")
     p.add_argument("--quick", action="store_true", help="CI smoke run: one round, one open-loop point, few requests")
+    p.add_argument("--scenario", choices=("policies", "backlog"), default="policies",
+                   help="policies: the batching policies under load (bench-server.json); backlog: one-text calls "
+                        "while a 640-text backlog decodes, the server with its defaults (bench-server-backlog.json)")
+    p.add_argument("--compare", action="append", default=[], metavar="FLAGS",
+                   help="backlog: another server beside the defaults, with these flags (repeatable); the servers take "
+                        "turns, and the target is judged on the defaults")
     add_publish(p)
     args = p.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
     args.out_dir = args.out_dir or results_dir(args.publish)
+    if args.scenario == "backlog":
+        return run_backlog(args)
     args.engine_results = args.engine_results or args.out_dir / "bench-engine.json"
     plan = QUICK if args.quick else FULL
     started = time.monotonic()
@@ -570,7 +769,7 @@ def main(argv=None) -> int:
                            "rounds": points},
             "open_loop": measured["curves"][name]}
     result = {
-        "command": "python -m bench server " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench server " + shlex.join(args.argv),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
         "settings": {"model": args.model, "model_version": info.version, "architecture": info.architecture,
@@ -610,7 +809,9 @@ def git_commit() -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        return commit + (" (with uncommitted changes)" if git("status", "--porcelain") else "")
+        # results being written (docs/results, runs/) are not changes to what is measured
+        changed = git("status", "--porcelain", "--", ".", ":!docs/results", ":!runs")
+        return commit + (" (with uncommitted changes)" if changed else "")
     except OSError:
         return ""
 

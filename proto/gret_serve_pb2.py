@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/gret_serve.proto\x12\x0cgretserve.v1\"\xc7\x03\n\x0f\x44\x65\x63odingOptions\x12\x16\n\tbeam_size\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x17\n\nmax_length\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10max_length_ratio\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11max_length_offset\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x17\n\nmin_length\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x13\n\x06n_best\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x15\n\rreturn_scores\x18\x08 \x01(\x08\x12!\n\x14no_repeat_ngram_size\x18\t \x01(\rH\x07\x88\x01\x01\x12\x1a\n\x12return_diagnostics\x18\n \x01(\x08\x12\x15\n\rtarget_prefix\x18\x0b \x03(\tB\x0c\n\n_beam_sizeB\x11\n\x0f_length_penaltyB\r\n\x0b_max_lengthB\x13\n\x11_max_length_ratioB\x14\n\x12_max_length_offsetB\r\n\x0b_min_lengthB\t\n\x07_n_bestB\x17\n\x15_no_repeat_ngram_size\"\xef\x01\n\x10TranslateRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x17\n\x0fsource_language\x18\x02 \x01(\t\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12.\n\x07options\x18\x05 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\x12\x17\n\x0f\x61s_one_sequence\x18\x06 \x01(\x08\x12(\n\x06\x66ormat\x18\x07 \x01(\x0e\x32\x18.gretserve.v1.TextFormat\x12\x18\n\x10stream_sentences\x18\x08 \x01(\x08\"`\n\x10SummarizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\x07options\x18\x03 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\"~\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08log_prob\x18\x03 \x01(\x02\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.gretserve.v1.FinishReason\"6\n\x0b\x44iagnostics\x12\x0c\n\x04gate\x18\x01 \x03(\x02\x12\x19\n\x11routing_agreement\x18\x02 \x01(\x02\"\x8e\x02\n\nTextResult\x12\r\n\x05index\x18\x01 \x01(\r\x12,\n\nhypotheses\x18\x02 \x03(\x0b\x32\x18.gretserve.v1.Hypothesis\x12.\n\x0b\x64iagnostics\x18\x03 \x01(\x0b\x32\x19.gretserve.v1.Diagnostics\x12\x15\n\rsource_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x65ncoder_cache_hit\x18\x05 \x01(\x08\x12\x18\n\x10result_cache_hit\x18\x06 \x01(\x08\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x11\n\tsentences\x18\x08 \x01(\r\x12\x0f\n\x07partial\x18\t \x01(\x08\x12\x10\n\x08sentence\x18\n \x01(\r\"|\n\x10GenerateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12)\n\x07results\x18\x03 \x03(\x0b\x32\x18.gretserve.v1.TextResult\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"\x8c\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\x12\x17\n\x0ftarget_language\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x11\n\tprecision\x18\x08 \x01(\t\x12\x12\n\nparameters\x18\t \x01(\x04\x12\x12\n\nis_default\x18\n \x01(\x08\x12\x18\n\x10max_input_pieces\x18\x0b \x01(\r\x12$\n\x06limits\x18\x0c \x01(\x0b\x32\x14.gretserve.v1.Limits\"\x9b\x01\n\x06Limits\x12\x15\n\rmax_beam_size\x18\x01 \x01(\r\x12\x12\n\nmax_n_best\x18\x02 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\r\x12\x11\n\tmax_texts\x18\x04 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x05 \x01(\r\x12 \n\x18max_no_repeat_ngram_size\x18\x06 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.gretserve.v1.ModelInfo* \n\nTextFormat\x12\x08\n\x04TEXT\x10\x00\x12\x08\n\x04HTML\x10\x01*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45ND_OF_SENTENCE\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xa0\x03\n\tInference\x12K\n\tTranslate\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fTranslateStream\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12K\n\tSummarize\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fSummarizeStream\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.gretserve.v1.ListModelsRequest\x1a .gretserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/gret_serve.proto\x12\x0cgretserve.v1\"\xc7\x03\n\x0f\x44\x65\x63odingOptions\x12\x16\n\tbeam_size\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x17\n\nmax_length\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10max_length_ratio\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11max_length_offset\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x17\n\nmin_length\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x13\n\x06n_best\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x15\n\rreturn_scores\x18\x08 \x01(\x08\x12!\n\x14no_repeat_ngram_size\x18\t \x01(\rH\x07\x88\x01\x01\x12\x1a\n\x12return_diagnostics\x18\n \x01(\x08\x12\x15\n\rtarget_prefix\x18\x0b \x03(\tB\x0c\n\n_beam_sizeB\x11\n\x0f_length_penaltyB\r\n\x0b_max_lengthB\x13\n\x11_max_length_ratioB\x14\n\x12_max_length_offsetB\r\n\x0b_min_lengthB\t\n\x07_n_bestB\x17\n\x15_no_repeat_ngram_size\"\x81\x02\n\x10TranslateRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x17\n\x0fsource_language\x18\x02 \x01(\t\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12.\n\x07options\x18\x05 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\x12\x17\n\x0f\x61s_one_sequence\x18\x06 \x01(\x08\x12(\n\x06\x66ormat\x18\x07 \x01(\x0e\x32\x18.gretserve.v1.TextFormat\x12\x18\n\x10stream_sentences\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\"r\n\x10SummarizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\x07options\x18\x03 \x01(\x0b\x32\x1d.gretserve.v1.DecodingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\"~\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08log_prob\x18\x03 \x01(\x02\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.gretserve.v1.FinishReason\"6\n\x0b\x44iagnostics\x12\x0c\n\x04gate\x18\x01 \x03(\x02\x12\x19\n\x11routing_agreement\x18\x02 \x01(\x02\"\x8e\x02\n\nTextResult\x12\r\n\x05index\x18\x01 \x01(\r\x12,\n\nhypotheses\x18\x02 \x03(\x0b\x32\x18.gretserve.v1.Hypothesis\x12.\n\x0b\x64iagnostics\x18\x03 \x01(\x0b\x32\x19.gretserve.v1.Diagnostics\x12\x15\n\rsource_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x65ncoder_cache_hit\x18\x05 \x01(\x08\x12\x18\n\x10result_cache_hit\x18\x06 \x01(\x08\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x11\n\tsentences\x18\x08 \x01(\r\x12\x0f\n\x07partial\x18\t \x01(\x08\x12\x10\n\x08sentence\x18\n \x01(\r\"|\n\x10GenerateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12)\n\x07results\x18\x03 \x03(\x0b\x32\x18.gretserve.v1.TextResult\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"\x8c\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x17\n\x0fsource_language\x18\x04 \x01(\t\x12\x17\n\x0ftarget_language\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x11\n\tprecision\x18\x08 \x01(\t\x12\x12\n\nparameters\x18\t \x01(\x04\x12\x12\n\nis_default\x18\n \x01(\x08\x12\x18\n\x10max_input_pieces\x18\x0b \x01(\r\x12$\n\x06limits\x18\x0c \x01(\x0b\x32\x14.gretserve.v1.Limits\"\x9b\x01\n\x06Limits\x12\x15\n\rmax_beam_size\x18\x01 \x01(\r\x12\x12\n\nmax_n_best\x18\x02 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\r\x12\x11\n\tmax_texts\x18\x04 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x05 \x01(\r\x12 \n\x18max_no_repeat_ngram_size\x18\x06 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.gretserve.v1.ModelInfo* \n\nTextFormat\x12\x08\n\x04TEXT\x10\x00\x12\x08\n\x04HTML\x10\x01*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45ND_OF_SENTENCE\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xa0\x03\n\tInference\x12K\n\tTranslate\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fTranslateStream\x12\x1e.gretserve.v1.TranslateRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12K\n\tSummarize\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse\x12S\n\x0fSummarizeStream\x12\x1e.gretserve.v1.SummarizeRequest\x1a\x1e.gretserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.gretserve.v1.ListModelsRequest\x1a .gretserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.gret_serve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TEXTFORMAT']._serialized_start=1934
-  _globals['_TEXTFORMAT']._serialized_end=1966
-  _globals['_FINISHREASON']._serialized_start=1968
-  _globals['_FINISHREASON']._serialized_end=2046
+  _globals['_TEXTFORMAT']._serialized_start=1970
+  _globals['_TEXTFORMAT']._serialized_end=2002
+  _globals['_FINISHREASON']._serialized_start=2004
+  _globals['_FINISHREASON']._serialized_end=2082
   _globals['_DECODINGOPTIONS']._serialized_start=41
   _globals['_DECODINGOPTIONS']._serialized_end=496
   _globals['_TRANSLATEREQUEST']._serialized_start=499
-  _globals['_TRANSLATEREQUEST']._serialized_end=738
-  _globals['_SUMMARIZEREQUEST']._serialized_start=740
-  _globals['_SUMMARIZEREQUEST']._serialized_end=836
-  _globals['_HYPOTHESIS']._serialized_start=838
-  _globals['_HYPOTHESIS']._serialized_end=964
-  _globals['_DIAGNOSTICS']._serialized_start=966
-  _globals['_DIAGNOSTICS']._serialized_end=1020
-  _globals['_TEXTRESULT']._serialized_start=1023
-  _globals['_TEXTRESULT']._serialized_end=1293
-  _globals['_GENERATERESPONSE']._serialized_start=1295
-  _globals['_GENERATERESPONSE']._serialized_end=1419
-  _globals['_LISTMODELSREQUEST']._serialized_start=1421
-  _globals['_LISTMODELSREQUEST']._serialized_end=1440
-  _globals['_MODELINFO']._serialized_start=1443
-  _globals['_MODELINFO']._serialized_end=1711
-  _globals['_LIMITS']._serialized_start=1714
-  _globals['_LIMITS']._serialized_end=1869
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1871
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1932
-  _globals['_INFERENCE']._serialized_start=2049
-  _globals['_INFERENCE']._serialized_end=2465
+  _globals['_TRANSLATEREQUEST']._serialized_end=756
+  _globals['_SUMMARIZEREQUEST']._serialized_start=758
+  _globals['_SUMMARIZEREQUEST']._serialized_end=872
+  _globals['_HYPOTHESIS']._serialized_start=874
+  _globals['_HYPOTHESIS']._serialized_end=1000
+  _globals['_DIAGNOSTICS']._serialized_start=1002
+  _globals['_DIAGNOSTICS']._serialized_end=1056
+  _globals['_TEXTRESULT']._serialized_start=1059
+  _globals['_TEXTRESULT']._serialized_end=1329
+  _globals['_GENERATERESPONSE']._serialized_start=1331
+  _globals['_GENERATERESPONSE']._serialized_end=1455
+  _globals['_LISTMODELSREQUEST']._serialized_start=1457
+  _globals['_LISTMODELSREQUEST']._serialized_end=1476
+  _globals['_MODELINFO']._serialized_start=1479
+  _globals['_MODELINFO']._serialized_end=1747
+  _globals['_LIMITS']._serialized_start=1750
+  _globals['_LIMITS']._serialized_end=1905
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1907
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1968
+  _globals['_INFERENCE']._serialized_start=2085
+  _globals['_INFERENCE']._serialized_end=2501
 # @@protoc_insertion_point(module_scope)

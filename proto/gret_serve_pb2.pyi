@@ -50,7 +50,7 @@ class DecodingOptions(_message.Message):
     def __init__(self, beam_size: _Optional[int] = ..., length_penalty: _Optional[float] = ..., max_length: _Optional[int] = ..., max_length_ratio: _Optional[float] = ..., max_length_offset: _Optional[int] = ..., min_length: _Optional[int] = ..., n_best: _Optional[int] = ..., return_scores: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., return_diagnostics: _Optional[bool] = ..., target_prefix: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format", "stream_sentences")
+    __slots__ = ("texts", "source_language", "target_language", "model", "options", "as_one_sequence", "format", "stream_sentences", "priority")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class TranslateRequest(_message.Message):
     AS_ONE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     STREAM_SENTENCES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     source_language: str
     target_language: str
@@ -67,17 +68,20 @@ class TranslateRequest(_message.Message):
     as_one_sequence: bool
     format: TextFormat
     stream_sentences: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ..., format: _Optional[_Union[TextFormat, str]] = ..., stream_sentences: _Optional[bool] = ...) -> None: ...
+    priority: int
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., as_one_sequence: _Optional[bool] = ..., format: _Optional[_Union[TextFormat, str]] = ..., stream_sentences: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class SummarizeRequest(_message.Message):
-    __slots__ = ("texts", "model", "options")
+    __slots__ = ("texts", "model", "options", "priority")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     model: str
     options: DecodingOptions
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Hypothesis(_message.Message):
     __slots__ = ("text", "score", "log_prob", "tokens", "finish_reason")

@@ -36,22 +36,23 @@ class Client:
         self.timeout = timeout
 
     def translate(self, texts: list[str], target: str = "", source: str = "", model: str = "",
-                  as_one_sequence: bool = False, html: bool = False, **options) -> pb.GenerateResponse:
+                  as_one_sequence: bool = False, html: bool = False, priority: int = 0,
+                  **options) -> pb.GenerateResponse:
         request = pb.TranslateRequest(texts=texts, source_language=source, target_language=target, model=model,
                                       as_one_sequence=as_one_sequence, format=pb.HTML if html else pb.TEXT,
-                                      options=decoding_options(**options))
+                                      priority=priority, options=decoding_options(**options))
         return self.stub.Translate(request, timeout=self.timeout, metadata=self.metadata)
 
     def translate_stream(self, texts: list[str], target: str = "", source: str = "", model: str = "",
-                         stream_sentences: bool = False, html: bool = False, **options):
+                         stream_sentences: bool = False, html: bool = False, priority: int = 0, **options):
         """One response per text as it finishes; with stream_sentences, each sentence before it (partial)."""
         request = pb.TranslateRequest(texts=texts, source_language=source, target_language=target, model=model,
                                       stream_sentences=stream_sentences, format=pb.HTML if html else pb.TEXT,
-                                      options=decoding_options(**options))
+                                      priority=priority, options=decoding_options(**options))
         return self.stub.TranslateStream(request, timeout=self.timeout, metadata=self.metadata)
 
-    def summarize(self, texts: list[str], model: str = "", **options) -> pb.GenerateResponse:
-        request = pb.SummarizeRequest(texts=texts, model=model, options=decoding_options(**options))
+    def summarize(self, texts: list[str], model: str = "", priority: int = 0, **options) -> pb.GenerateResponse:
+        request = pb.SummarizeRequest(texts=texts, model=model, priority=priority, options=decoding_options(**options))
         return self.stub.Summarize(request, timeout=self.timeout, metadata=self.metadata)
 
     def list_models(self) -> list[pb.ModelInfo]:
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
         c.add_argument("--beam", type=int)
         c.add_argument("--n-best", type=int)
         c.add_argument("--scores", action="store_true")
+        c.add_argument("--priority", type=int, default=0, help="-10..10: a higher priority is admitted first")
     sub.add_parser("models")
     sub.add_parser("health")
     args = p.parse_args(argv)
@@ -131,9 +133,10 @@ def main(argv=None) -> int:
         texts = args.texts or stdin_texts(args.command)
         options = dict(beam_size=args.beam, n_best=args.n_best, return_scores=args.scores, target_prefix=args.prefix)
         if args.command == "translate":
-            response = client.translate(texts, args.target, args.source, args.model, html=args.html, **options)
+            response = client.translate(texts, args.target, args.source, args.model, html=args.html,
+                                        priority=args.priority, **options)
         else:
-            response = client.summarize(texts, args.model, **options)
+            response = client.summarize(texts, args.model, priority=args.priority, **options)
         for result in response.results:
             for h in result.hypotheses:
                 text = f"{h.text}\t{h.score:.4f}" if args.scores else h.text

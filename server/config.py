@@ -44,8 +44,9 @@ class ServerConfig:
     workers: int = 0  # engine loops per model, each with its own running batch (uses workers x threads cores); 0: one per CPU core this process may use
     replicas: str = "process"  # what runs each engine loop: process (a worker process with its own model session: loops do not share the GIL) or thread (threads sharing one session); ct2 uses CTranslate2's own replicas
     batching: str = "continuous"  # continuous: admit at every decoder step; request: only into an empty batch; none: one text at a time
-    max_batch_tokens: int = 16384  # admission budget: sum of beam x (source + output limit)
+    max_batch_tokens: int = 8192  # admission budget of each engine loop, what its batch's caches hold: the sum over its texts of beam x (source + the batch's longest output limit); a larger batch decodes more texts per second up to a point, and each of them more slowly (python -m bench server --scenario backlog)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
+    max_call_share: float = 0.05  # per-call cap: while other calls of its priority wait, a call holding this share of an engine loop's admission budget gets no more texts admitted (the room its finished texts free goes to the others); 1: no cap
     cache_mb: int = 256  # encoder caches of all models together, split equally (deploy/k8s sizes the pod with it)
     result_cache: int = 10000  # finished results kept per model, answered again without decoding (0: off)
     build_cache: str = ""  # where checkpoints are exported to ONNX (default ~/.cache/gret-serve)
@@ -83,6 +84,8 @@ class ServerConfig:
                      if getattr(self, name) and not os.path.isfile(getattr(self, name))]
         if self.result_cache < 0 or self.cache_mb < 0:
             problems.append("result_cache and cache_mb must not be negative")
+        if not 0 < self.max_call_share <= 1:
+            problems.append(f"max_call_share must be above 0 and at most 1 (1: no cap), got {self.max_call_share}")
         if self.workers < 0:
             problems.append(f"workers must not be negative (0: one per core), got {self.workers}")
         for name in ("port", "http_port", "metrics_port", "threads", "max_batch_tokens", "max_queue", "max_beam",

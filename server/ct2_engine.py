@@ -19,7 +19,7 @@ class Ct2Engine(Engine):
     def iterate(self) -> None:
         with self._cond:
             self._drop_doomed()
-            seqs = self.scheduler.admit(0, 0)
+            seqs = self.scheduler.admit([])
             self.observer.queue_depth(self.queued())
         if not seqs:
             return

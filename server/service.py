@@ -5,7 +5,7 @@ whole text), each decoded as one Sequence per segment, all of them in the model'
 the handler awaits the documents. Each sequence's on_done runs on the engine thread and only hands
 the result to the event loop, where a document is done once all its sequences are. A
 client that cancels, or a deadline that passes, marks the sequences so the engine drops their
-rows at its next step. Status codes: INVALID_ARGUMENT (texts, options), NOT_FOUND (model),
+rows at its next step. Status codes: INVALID_ARGUMENT (texts, options, priority), NOT_FOUND (model),
 RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED, CANCELLED; INTERNAL
 only when decoding itself failed.
 """
@@ -25,7 +25,7 @@ from proto import gret_serve_pb2_grpc as pb_grpc
 
 from .engine.engine import Draining
 from .engine.options import DecodingOptions, OptionError
-from .engine.scheduler import QueueFull
+from .engine.scheduler import MAX_PRIORITY, MIN_PRIORITY, QueueFull
 from .engine.sequence import CANCELLED, DEADLINE, OK, UNAVAILABLE, Sequence
 from .languages import AUTO, normalize
 from .logs import HEADER, REQUEST_ID, request_id
@@ -220,6 +220,10 @@ class InferenceService(pb_grpc.InferenceServicer):
             pipeline = self.registry.find(task, request.model, source, target)
         except ModelNotFound as e:
             raise CallError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"priority={request.priority} is out of range: {MIN_PRIORITY}..{MAX_PRIORITY} (0 by "
+                            "default; a higher priority is admitted first)")
         try:
             options = decoding_options(request.options).check(pipeline.limits)
             if options.diagnostics:
@@ -265,6 +269,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         owner.update({s.id: i for i, d in enumerate(docs) for s in d.sequences})
         call.model, call.pipeline, call.docs = pipeline.entry.name, pipeline, docs
+        for s in call.seqs:
+            s.priority = request.priority
         self.metrics.submitted(call.model, call.seqs)
         if self.log_text:
             log.debug("model %s: %d texts: %r", pipeline.entry.name, len(texts), texts)

@@ -1,5 +1,5 @@
-"""`python -m bench server --quick` (the CI smoke run) against tiny models trained in the test run,
-then `python -m bench report` from what it wrote: it runs and its output is sane. No speed is
+"""`python -m bench server --quick` (the CI smoke run; also its backlog scenario) against tiny models
+trained in the test run, then `python -m bench report` from what it wrote: it runs and its output is sane. No speed is
 asserted; the machine the tests run on decides those."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench.__main__ import main as bench_main
+from bench.memory import pod_flags
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -46,6 +47,53 @@ def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(
     text = page.read_text()
     assert "## Server under load" in text and "`python -m bench server --quick" in text
     assert "](results/bench-server-latency.png)" in text and "bench-engine.json` is not there yet" in text
+
+
+def test_quick_backlog_scenario_times_one_text_calls_behind_a_backlog_and_the_report_renders_it(served_models,
+                                                                                                   tmp_path):
+    results = tmp_path / "results"
+    code = bench_main(["server", "--scenario", "backlog", "--quick", "--models-dir", str(served_models),
+                       "--model", "tiny-de-en", "--build-cache", str(tmp_path / "build"), "--out-dir", str(results),
+                       "--compare", "--max-call-share 1"])
+    assert code == 0
+    result = json.loads((results / "bench-server-backlog.json").read_text())
+    assert result["settings"]["model"] == "tiny-de-en" and len(result["machine"]["load_average_end"]) == 3
+    plan = result["settings"]["plan"]
+    assert set(result["servers"]) == {"defaults", "--max-call-share 1"}
+    assert result["servers"]["defaults"]["server_flags"][-2:] != ["--max-call-share", "1"]
+    for server in result["servers"].values():
+        for r in server["rounds"]:
+            assert r["backlog_texts"] == plan["streams"] * plan["texts_per_stream"] and r["backlog_errors"] == []
+            assert r["calls"] >= 1 and r["ok"] == r["calls"] and r["result_cache_hits"] == 0  # every text new
+            assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"] <= r["latency_ms"]["max"]
+        assert server["idle"]["calls"] == plan["idle_probes"] and server["idle"]["latency_ms"]["p50"] > 0
+        assert server["all_rounds"]["backlog_texts_per_s_median"] > 0
+    assert set(result["targets"]) == {"one_text_p99_ms_behind_backlog"}
+
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "## One-text calls behind a backlog" in text and "`python -m bench server --scenario backlog" in text
+
+
+def test_quick_memory_benchmark_samples_the_pods_server_through_every_phase(served_models, tmp_path):
+    results = tmp_path / "results"
+    code = bench_main(["memory", "--quick", "--setting", "pod", "--models-dir", str(served_models),
+                       "--build-cache", str(tmp_path / "build"), "--out-dir", str(results)])
+    assert code == 0
+    result = json.loads((results / "bench-memory.json").read_text())
+    pod = result["settings"]["pod"]
+    assert pod["flags"][: len(deployed := pod_flags(served_models))] == deployed  # deploy/k8s/deployment.yaml's
+    assert set(pod["peaks"]) == {"loaded", "caches", "steady", "extreme", "spike", "after"}
+    assert all(0 < p["pss_mib"] <= p["rss_mib"] for p in pod["peaks"].values())
+    assert pod["peak_pss_mib"] == max(p["pss_mib"] for p in pod["peaks"].values())
+    assert pod["load"]["phases"]["steady"]["texts_per_s"] > 0
+    assert pod["load"]["phases"]["spike"]["calls"].get("OK", 0) > 0
+    assert result["pod_limit"]["mib"] > 0 and set(result["targets"]) == {"pod_peak_pss_within_limit",
+                                                                         "pod_peak_rss_within_limit"}
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    assert "## Memory under load" in page.read_text()
 
 
 def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_models, tmp_path):

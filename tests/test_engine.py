@@ -13,7 +13,7 @@ from server.backends import TorchBackend
 from server.engine.batch import banned_tokens
 from server.engine.engine import Draining, Engine, Replicas
 from server.engine.options import DecodingOptions, Limits, OptionError
-from server.engine.scheduler import QueueFull, Scheduler
+from server.engine.scheduler import QueueFull, Scheduler, batch_cost
 from server.engine.result_cache import ResultCache, result_key
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
 from server.engine.topk import row_topk
@@ -329,6 +329,68 @@ def test_admission_is_budgeted_in_beam_times_tokens_and_the_queue_is_bounded():
         engine.submit([make_seq(model, srcs[0]) for _ in range(3)])
     engine.run_until_idle()
     assert all(s.status == OK for s in seqs)
+
+
+# ---- who is admitted next (server.engine.scheduler) --------------------------------------------------
+def texts(n: int, priority: int = 0, budget: int = 10) -> list[Sequence]:
+    """n waiting texts of one call, each charging `budget` (beam 1: source + output limit)."""
+    return [Sequence([1] * (budget - 5), DecodingOptions(beam=1), 5, on_done=lambda s: None, priority=priority)
+            for _ in range(n)]
+
+
+def test_a_batch_is_charged_every_row_at_the_width_of_its_longest_output_limit():
+    """Each row's self-attention cache is as wide as the batch's longest output limit: ten short
+    texts (budget 10 each alone) fit a budget of 100 by themselves, but beside a text that may
+    write 50 tokens each is charged 5 + 50."""
+    long = Sequence([1] * 5, DecodingOptions(beam=1), 50, on_done=lambda s: None)
+    assert batch_cost(texts(10)) == 100 and batch_cost([long, *texts(1)]) == 110
+    scheduler = Scheduler(max_batch_tokens=200)
+    scheduler.add([long])
+    scheduler.add(short := texts(10))
+    assert scheduler.admit([]) == [long, *short[:2]]  # 55 + 2 x 55 = 165; a third would make 220
+
+
+def test_higher_priority_texts_are_admitted_first_and_calls_of_one_priority_take_turns():
+    scheduler = Scheduler(max_batch_tokens=1000)
+    low, a, b, high = texts(3, priority=-1), texts(3), texts(3), texts(1, priority=5)
+    for call in (low, a, b, high):
+        scheduler.add(call)
+    assert scheduler.admit([]) == [*high, a[0], b[0], a[1], b[1], a[2], b[2], *low]
+
+
+def test_a_lower_priority_text_never_overtakes_a_higher_one_that_does_not_fit_yet():
+    scheduler = Scheduler(max_batch_tokens=100)
+    scheduler.add(running := texts(9))
+    assert scheduler.admit([]) == running
+    scheduler.add(low := texts(1, priority=-1, budget=5))  # would fit the 10 left ...
+    scheduler.add(high := texts(1, priority=1, budget=20))  # ... but this more urgent one waits for room
+    assert scheduler.admit(running) == []
+    assert scheduler.admit(running[:7]) == [*high, *low]
+
+
+def test_while_others_wait_a_call_holding_its_share_of_the_batch_is_passed_over_and_keeps_its_turn():
+    """call_share 0.5 of a budget of 100: call A holds 60 when B arrives. B's texts take the room
+    until A is below its share; then the turn is A's again."""
+    capped, uncapped = Scheduler(max_batch_tokens=100, call_share=0.5), Scheduler(max_batch_tokens=100)
+    for scheduler in (capped, uncapped):
+        scheduler.add(a := texts(12))
+        admitted = scheduler.admit([])
+        assert admitted == a[:10]
+        running = admitted[:6]  # four of A's texts have finished: A holds 60
+        scheduler.add(b := texts(5))
+        if scheduler is capped:
+            assert scheduler.admit(running) == b[:4]
+            assert scheduler.admit(running[:4] + b[:4]) == [a[10], b[4]]  # A holds 40 < 50: its turn
+        else:  # taking turns alone: A's turn first, although it holds more than half the batch
+            assert scheduler.admit(running) == [a[10], b[0], a[11], b[1]]
+
+
+def test_the_cap_never_keeps_a_call_waiting_while_nobody_else_does():
+    scheduler = Scheduler(max_batch_tokens=100, call_share=0.25)
+    scheduler.add(a := texts(12))
+    running = scheduler.admit([])
+    assert running == a[:10]
+    assert scheduler.admit(running[:8]) == a[10:]  # holds 80, far over its share: alone, it still goes
 
 
 def test_a_draining_engine_finishes_its_work_and_refuses_more():

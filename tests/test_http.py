@@ -174,13 +174,14 @@ def test_a_stream_refused_before_its_first_text_keeps_its_status(http):
     ({"texts": ["Ein Hund."], "target_language": "en"}, {"n_best": 5, "beam_size": 2}, 400),
     ({"texts": ["Ein Hund."], "target_language": "fr"}, {}, 404),
     ({"texts": ["Ein Hund."], "model": "no-such-model"}, {}, 404),
+    ({"texts": ["Ein Hund."], "target_language": "en", "priority": 11}, {}, 400),
 ])
 def test_errors_have_the_grpc_message_under_the_matching_http_status(http, grpc_client, request_body, options,
                                                                       status):
     got, body, _ = http("/v1/translate", {**request_body, "options": options})
     code, message = grpc_status(lambda: grpc_client.translate(
         request_body["texts"], target=request_body.get("target_language", ""), model=request_body.get("model", ""),
-        **options))
+        priority=request_body.get("priority", 0), **options))
     assert (got, body) == (status, {"error": message, "code": code.name})
 
 

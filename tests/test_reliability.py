@@ -10,6 +10,7 @@ broken model files stop the start with a message naming the file; a full queue r
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import operator
@@ -33,6 +34,7 @@ from server.__main__ import main as server_main
 from server.client import Client
 from server.engine.options import DecodingOptions
 from server.documents import segment, whole
+from server.engine.scheduler import batch_cost
 from server.markup import segment_html, text_of
 from server.engine.sequence import CANCELLED, DEADLINE
 from server.languages import normalize
@@ -80,7 +82,7 @@ class Expected:
 
 def expected(server: RunningServer, method: str, request) -> Expected:
     """What the server must answer, from the API's documented rules: message size, then the model,
-    then the options, then the texts."""
+    then the priority, then the options, then the texts."""
     if request.ByteSize() > MAX_MESSAGE:
         return Expected(CODE.RESOURCE_EXHAUSTED)
     task = "translate" if method.startswith("Translate") else "summarize"
@@ -100,7 +102,8 @@ def expected(server: RunningServer, method: str, request) -> Expected:
         if not fits:
             return Expected(CODE.NOT_FOUND)
         name = fits[0]
-    problem = (option_problem(request.options) or diagnostics_problem(models[name], request.options)
+    problem = (priority_problem(request) or option_problem(request.options)
+               or diagnostics_problem(models[name], request.options)
                or format_problem(request)
                or text_problem(models[name], task, request, options_of(request.options)))
     return Expected(CODE.INVALID_ARGUMENT, about=problem) if problem else Expected(CODE.OK, model=name)
@@ -111,6 +114,10 @@ def options_of(o: pb.DecodingOptions) -> dict:
     defaults = dict(beam_size=4, length_penalty=1.0, max_length=0, max_length_ratio=1.5, max_length_offset=10,
                     min_length=0, n_best=1, no_repeat_ngram_size=0)
     return {f: getattr(o, f) if o.HasField(f) else d for f, d in defaults.items()}
+
+
+def priority_problem(request) -> str:
+    return "" if -10 <= request.priority <= 10 else f"priority={request.priority} is out of range"
 
 
 def option_problem(options: pb.DecodingOptions) -> str:
@@ -410,13 +417,14 @@ options = st.one_of(
               return_diagnostics=st.booleans(), target_prefix=prefixes),
 )
 model = st.one_of(st.just(""), st.sampled_from(["tiny-de-en", "tiny-en-de", "tiny-headlines"]), st.text(max_size=12))
+priority = st.one_of(st.just(0), st.integers(-10, 10), st.integers(-2**31, 2**31 - 1))
 language = st.one_of(st.sampled_from(["", "de", "en", "fr", "DE", "de-DE", "eng", "ger", "auto"]), st.text(max_size=4))
 
 
 @st.composite
 def any_call(draw):
     method = draw(st.sampled_from(METHODS))
-    common = dict(texts=draw(texts), model=draw(model), options=draw(options))
+    common = dict(texts=draw(texts), model=draw(model), options=draw(options), priority=draw(priority))
     if method.startswith("Translate"):
         return method, pb.TranslateRequest(source_language=draw(language), target_language=draw(language),
                                            as_one_sequence=draw(st.booleans()), stream_sentences=draw(st.booleans()),
@@ -544,8 +552,10 @@ class StepLog:
 
 @pytest.fixture(scope="module")
 def roomy(served_models):
-    """A server with the default limits (long outputs allowed) and one model."""
-    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=["tiny-de-en"]))
+    """A server with the default limits (long outputs allowed) and one model; a budget that lets
+    beside_a_running_call's 16 long beam-4 texts join the batch at once."""
+    running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=["tiny-de-en"],
+                                       max_batch_tokens=16384))
     yield running
     running.stop()
 
@@ -647,8 +657,9 @@ def vanilla(served_models):
     running.stop()
 
 
-def to_german(texts, beam, **options):
-    return pb.TranslateRequest(texts=texts, target_language="de", options=pb.DecodingOptions(beam_size=beam, **options))
+def to_german(texts, beam, priority=0, **options):
+    return pb.TranslateRequest(texts=texts, target_language="de", priority=priority,
+                               options=pb.DecodingOptions(beam_size=beam, **options))
 
 
 def calls_ended(server: RunningServer, method: str, code: str) -> float:
@@ -684,18 +695,31 @@ def test_a_stream_cancelled_while_its_write_waits_for_the_clients_window_stops_d
 SHORT = dict(max_length_ratio=10, max_length=8, min_length=8)
 
 
-def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after_their_backlog(served_models):
-    """Calls take turns at admission: behind 4 calls of 16 texts each, a one-text call is the
-    fifth admitted (first come, first served by text, it would be the 65th)."""
+@contextlib.contextmanager
+def engine_held_behind_one_call(served_models, offset: int):
+    """A server with the vanilla model and a small budget (two or three texts decode at a time),
+    one one-text call decoding, and the engine held between two steps until log.release is set:
+    what the test queues meanwhile is all waiting at once. Yields (server, stub, log, the call)."""
     server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
-                                      max_batch_tokens=80))  # two or three texts decode at a time
+                                      max_batch_tokens=80))
     engine = server.registry.pipelines[VANILLA].engine
     log = engine.observer = StepLog(engine.observer)
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
-        running = stub.Translate.future(to_german(german(1, offset=600), beam=1, **SHORT), timeout=120)
+        running = stub.Translate.future(to_german(german(1, offset=offset), beam=1, **SHORT), timeout=120)
         log.hold = 1
-        assert log.held.wait(60)  # the engine waits between two steps while the queue fills
+        assert log.held.wait(60)
+        yield server, stub, log, running
+    finally:
+        log.release.set()
+        server.stop()
+
+
+def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after_their_backlog(served_models):
+    """Calls take turns at admission: behind 4 calls of 16 texts each, a one-text call is the
+    fifth admitted (first come, first served by text, it would be the 65th)."""
+    with engine_held_behind_one_call(served_models, offset=600) as (server, stub, log, running):
+        engine = server.registry.pipelines[VANILLA].engine
         backlog = [stub.Translate.future(to_german(german(16, offset=610 + 16 * i), beam=1, **SHORT), timeout=120)
                    for i in range(4)]
         wait_until(lambda: engine.queued() == 64)
@@ -704,9 +728,6 @@ def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after
         log.release.set()
         for call in [running, small, *backlog]:
             call.result(120)
-    finally:
-        log.release.set()
-        server.stop()
     source = lambda text: server.registry.pipelines[VANILLA].sequences([text], DecodingOptions(), None)[0].src  # noqa: E731
     first, small = source(german(1, offset=600)[0]), source(german(1, offset=700)[0])
     small_seq = next(s for s in log.done if s.src == small)
@@ -714,6 +735,92 @@ def test_a_one_text_call_is_admitted_after_one_text_of_each_call_ahead_not_after
     assert len(backlog_seqs) == 64
     assert sum(s.admitted < small_seq.admitted for s in backlog_seqs) <= 4  # one text of each call ahead
     assert sum(s.admitted > small_seq.admitted for s in backlog_seqs) >= 64 - 8  # the backlog still waited
+
+
+def test_a_higher_priority_call_is_admitted_before_any_waiting_text_of_a_lower_priority(served_models):
+    """Priority is strict: behind a backlog at priorities 0 and -5, a one-text call at priority 5 is
+    the first admitted once the engine admits again, and no text of priority -5 joins the batch
+    while one of priority 0 waits."""
+    with engine_held_behind_one_call(served_models, offset=800) as (server, stub, log, running):
+        engine = server.registry.pipelines[VANILLA].engine
+        backlog = [stub.Translate.future(to_german(german(8, offset=810 + 8 * i), beam=1, priority=p, **SHORT),
+                                         timeout=120) for i, p in enumerate((-5, 0, 0))]
+        wait_until(lambda: engine.queued() == 24)
+        urgent = stub.Translate.future(to_german(german(1, offset=850), beam=1, priority=5, **SHORT), timeout=120)
+        wait_until(lambda: engine.queued() == 25)
+        log.release.set()
+        for call in [running, urgent, *backlog]:
+            assert len(call.result(120).results) in (1, 8)
+    first = min(log.done, key=lambda s: s.admitted)  # the call that was running
+    queued = [s for s in log.done if s is not first]
+    by_priority = {p: [s for s in queued if s.priority == p] for p in (5, 0, -5)}
+    assert [len(v) for v in by_priority.values()] == [1, 16, 8]
+    assert by_priority[5][0].admitted <= min(s.admitted for s in queued)
+    assert max(s.admitted for s in by_priority[0]) <= min(s.admitted for s in by_priority[-5])
+
+
+@pytest.mark.parametrize("priority", [11, -11, 2**31 - 1])
+def test_a_priority_out_of_range_is_invalid_argument_naming_the_range(vanilla, priority):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(vanilla.address))
+    calls = [lambda: stub.Translate(to_german(german(1), beam=1, priority=priority), timeout=60),
+             lambda: list(stub.TranslateStream(to_german(german(1), beam=1, priority=priority), timeout=60))]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == CODE.INVALID_ARGUMENT
+        assert refused.value.details().startswith(f"priority={priority} is out of range: -10..10")
+
+
+def held_while_others_waited(seqs, since: float, share: float) -> list[tuple[int, int]]:
+    """Replays the batch from the texts' admission and finishing times: for every text admitted
+    after `since` while another call still had texts waiting, (its call, the budget its call already
+    held in the running batch). Texts admitted together are taken in their call's order."""
+    found = []
+    for t in sorted({s.admitted for s in seqs if s.admitted > since}):
+        for call in sorted({s.call for s in seqs if s.admitted == t}):
+            others_wait = any(s.admitted > t for s in seqs if s.call != call)
+            if not others_wait:
+                continue
+            held = sum(s.rows_budget for s in seqs if s.call == call and s.admitted < t < s.done)
+            for s in sorted((s for s in seqs if s.call == call and s.admitted == t), key=lambda s: s.id):
+                found.append((call, held))
+                held += s.rows_budget
+    return found
+
+
+def test_while_another_call_waits_a_call_holding_its_share_of_the_batch_gets_no_more_texts(served_models):
+    """--max-call-share 0.5: a 24-text call fills the batch alone, then a second one queues. From
+    then on, while the other has texts waiting, no call that holds half the admission budget or
+    more is given another text: the room its finished texts free goes to the other call."""
+    budget = 1500
+    server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
+                                      max_batch_tokens=budget, max_call_share=0.5))
+    pipeline = server.registry.pipelines[VANILLA]
+    engine = pipeline.engine
+    log = engine.observer = StepLog(engine.observer)
+    first, second = german(24, offset=900), german(24, offset=930)  # outputs of many lengths: they leave one by one
+    seqs = [s for d in pipeline.documents(first, DecodingOptions(beam=1), None) for s in d.sequences]
+    fitting = next(i for i in range(len(seqs) + 1) if i == len(seqs) or batch_cost(seqs[: i + 1]) > budget)
+    # the first call holds its share when the second comes
+    assert fitting >= 6 and sum(s.rows_budget for s in seqs[:fitting]) >= budget / 2
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+        calls = [stub.Translate.future(to_german(first, beam=1), timeout=120)]
+        log.hold = fitting
+        assert log.held.wait(60)  # the first call decodes alone, the batch full of its texts
+        calls.append(stub.Translate.future(to_german(second, beam=1), timeout=120))
+        wait_until(lambda: engine.queued() == 48 - fitting)
+        released = time.monotonic()
+        log.release.set()
+        for call in calls:
+            assert len(call.result(120).results) == 24
+    finally:
+        log.release.set()
+        server.stop()
+    assert len(log.done) == 48 and len({s.call for s in log.done}) == 2
+    admitted = held_while_others_waited(log.done, released, budget * 0.5)
+    assert len(admitted) >= 8  # the calls did wait for each other
+    assert all(held < budget * 0.5 for _, held in admitted)
 
 
 def test_a_min_length_above_a_texts_output_limit_is_invalid_argument_naming_both_numbers(vanilla):
@@ -787,6 +894,34 @@ def test_sigterm_flips_readiness_finishes_every_call_in_flight_refuses_new_ones_
         assert "shutting down" in server.log and "stopped" in server.log
     finally:
         server.kill()
+
+
+def test_sigterm_while_a_stream_is_stalled_on_a_full_window_still_drains_and_exits_0_within_the_grace_period(
+        served_models):
+    """A client on a small HTTP/2 window reads one response and then nothing: every text is decoded,
+    but the server's writes wait for a window that never opens. SIGTERM still drains: the server
+    gives the stalled call the grace period, then ends it, and exits 0 with no error logged, in
+    time for the kubelet (terminationGracePeriodSeconds allows the drain and a margin, then kills)."""
+    grace = 3
+    metrics_port = free_port()
+    server = ServerProcess("--models-dir", served_models, "--models", VANILLA, "--host", "127.0.0.1", "--port", 0,
+                           "--metrics-port", metrics_port, "--workers", 1, "--grace-seconds", grace,
+                           "--build-cache", served_models.parent / "build-cache", *DECODE_REPEATS)
+    try:
+        small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving(), options=small_window))
+        stream = stub.TranslateStream(to_german(german(256, offset=400), beam=8, n_best=4, return_scores=True),
+                                      timeout=300)
+        next(stream)  # ... and no more
+        wait_until(lambda: metric(metrics_port, "gret_serve_texts_total") == 256, timeout=240)  # all decoded
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(grace + 10) == 0  # 10: deploy/k8s's margin over preStop + grace
+        with pytest.raises(grpc.RpcError):
+            list(stream)  # the stalled call was ended, not completed
+    finally:
+        server.kill()
+    assert "shutting down" in server.log and "stopped" in server.log
+    assert "Traceback" not in server.log and " ERROR " not in server.log
 
 
 def test_calls_still_running_when_the_grace_period_ends_get_unavailable_and_the_server_exits_0(served_models,

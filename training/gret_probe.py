@@ -60,7 +60,7 @@ def gate_statistics(model, sources: list[list[int]], targets: list[list[int]]) -
     """Teacher-forced (targets are the decoder's inputs, BOS + pieces): the mean gate value and
     ||g * s^M|| / ||r|| over the real target tokens."""
     captured = {}
-    hook = model.decoder[-1].register_forward_hook(lambda m, inputs, out: captured.__setitem__("x", out[0]))
+    hook = model.decoder[-1].register_forward_hook(lambda m, inputs, out: captured.__setitem__("x", out))
     gates, ratios = [], []
     try:
         for start in range(0, len(sources), 64):

@@ -24,12 +24,17 @@ import torch
 
 
 from .batch import Batch
-from .encoder_cache import EncoderCache, cache_key, encode_cached
+from .encoder_cache import EncoderCache, EncoderState, cache_key, encode_cached
 from .result_cache import ResultCache, result_key
 from .scheduler import QueueFull, Scheduler
 from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
 
 log = logging.getLogger("server.engine")
+
+# Texts per encoder pass. A step may admit hundreds of short texts; encoded at once, their
+# activations would set ONNX Runtime's memory arena, which keeps its peak, to hundreds of MB per
+# model (bench memory). In passes of this many the encoder costs the same and holds a fraction.
+ENCODE_AT_ONCE = 32
 
 
 class Draining(Exception):
@@ -140,7 +145,7 @@ class Engine:
         so can a caller that drives the engine itself (tests, the offline benchmark)."""
         with self._cond:
             self._drop_doomed()
-            admitted = self.scheduler.admit(len(self.batch), self.batch.budget_used())
+            admitted = self.scheduler.admit(self.batch.seqs)
             self.observer.queue_depth(self.queued())
         try:
             if admitted:
@@ -179,8 +184,12 @@ class Engine:
         for s in seqs:
             s.admitted = start
             s.cache_hit = cache_key(self.version, s.src, s.tags) in self.cache
-        tags = [s.tags for s in seqs] if self.backend.cfg.pos_tags else None
-        enc = encode_cached(self.backend, self.cache, self.version, [s.src for s in seqs], tags)
+        parts = []
+        for k in range(0, len(seqs), ENCODE_AT_ONCE):
+            chunk = seqs[k: k + ENCODE_AT_ONCE]
+            tags = [s.tags for s in chunk] if self.backend.cfg.pos_tags else None
+            parts.append(encode_cached(self.backend, self.cache, self.version, [s.src for s in chunk], tags))
+        enc = parts[0] if len(parts) == 1 else EncoderState.stack(parts)
         done = time.monotonic()
         for s in seqs:
             s.encoded = done

@@ -1,11 +1,26 @@
 """The waiting queue and who joins the running batch when.
 
-Admission is budgeted in beam x tokens (Sequence.rows_budget: beam x (source + output limit)).
-Calls take turns: each call's texts wait in their own first-come-first-served line, and admission
-takes one text from the call whose turn it is, then passes the turn on. So a one-text call is
-admitted after at most one text of each call ahead of it, however many texts those calls queued.
-The text whose turn it is waits until it fits, so a long text is never overtaken forever. A
-sequence larger than the whole budget runs alone.
+Admission is budgeted in beam x tokens, as the batch holds them: every row's self-attention cache is
+as wide as the longest output limit in the batch, so a batch costs the sum over its texts of
+beam x (source + the batch's longest output limit), at most max_batch_tokens (batch_cost). That is
+the memory the batch's caches need, whatever mix of short and long texts it holds: a short text
+joining a long one is charged the long one's width. Each call's texts wait in their own line, first
+come first served, and the next text admitted is chosen in three rules:
+
+  1. Priority. The calls of the highest priority with texts waiting go first (the request's
+     `priority`, MIN_PRIORITY..MAX_PRIORITY, 0 by default). This is strict: while a call of a
+     higher priority waits, no text of a lower one is admitted, so a steady stream of urgent calls
+     can hold back the rest; that is what asking for a priority means.
+  2. Turns. Within a priority, calls take turns: admission takes one text from the call whose turn
+     it is and passes the turn on. A one-text call is admitted after at most one text of each call
+     of its priority ahead of it, however many texts those calls queued.
+  3. The per-call cap. While other calls of its priority wait, a call that already holds
+     call_share of the budget in the running batch is passed over (it keeps its place in the
+     turns): the room its finishing texts free goes to the others. It never leaves the batch idle:
+     with nobody else waiting, or every waiting call at its share, the call whose turn it is goes.
+
+The text chosen waits until it fits (nothing overtakes it), so a long text is never passed over
+forever. A sequence larger than the whole budget runs alone.
 
 Policies (the server benchmark compares them on one model):
   continuous  admit at every decoder step (continuous batching, the default)
@@ -15,73 +30,111 @@ Policies (the server benchmark compares them on one model):
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 from .sequence import Sequence
 
 POLICIES = ("continuous", "request", "none")
+MIN_PRIORITY, MAX_PRIORITY = -10, 10  # a request's priority; 0 when it names none
+
+_calls = itertools.count()  # one number per line, unique across the process's schedulers
 
 
 class QueueFull(Exception):
     pass
 
 
-class TakingTurns:
-    """Waiting texts, one line per call, the calls in turn. Iterating gives every waiting text."""
+def batch_cost(seqs: list[Sequence]) -> int:
+    """What a batch of these texts holds, in beam x tokens: each row its source and, in the
+    self-attention cache, as many columns as the longest output limit in the batch."""
+    width = max((s.max_len for s in seqs), default=0)
+    return sum(s.options.beam * (len(s.src) + width) for s in seqs)
+
+
+@dataclass(eq=False)
+class Line:
+    """One call's waiting texts, first come first served."""
+    call: int
+    priority: int
+    texts: deque[Sequence] = field(default_factory=deque)
+
+
+class Waiting:
+    """Waiting texts: per priority, the calls' lines in turn order. Iterating gives every waiting text."""
 
     def __init__(self):
-        self.lines: deque[deque[Sequence]] = deque()
+        self.levels: dict[int, deque[Line]] = {}
         self._count = 0
 
     def add(self, seqs: list[Sequence]) -> None:
-        if seqs:
-            self.lines.append(deque(seqs))
-            self._count += len(seqs)
+        """One call's texts (of one priority: its first text's) join the back of its priority's turns.
+        Each text is marked with its call (Sequence.call), which the cap counts in the running batch."""
+        if not seqs:
+            return
+        line = Line(next(_calls), seqs[0].priority, deque(seqs))
+        for s in seqs:
+            s.call = line.call
+        self.levels.setdefault(line.priority, deque()).append(line)
+        self._count += len(seqs)
 
-    def head(self) -> Sequence:
-        """The text whose turn it is."""
-        return self.lines[0][0]
+    def top(self) -> deque[Line]:
+        """The lines of the highest priority that has texts waiting, in turn order."""
+        return self.levels[max(self.levels)]
 
-    def pop(self) -> Sequence:
-        """Takes the head; its call goes to the back of the turn order (or leaves, if done)."""
-        line = self.lines.popleft()
-        seq = line.popleft()
-        if line:
-            self.lines.append(line)
+    def take(self, line: Line) -> Sequence:
+        """Takes the line's first text; the line goes to the back of its priority's turns (or
+        leaves, if that was its last text)."""
+        level = self.levels[line.priority]
+        level.remove(line)
+        seq = line.texts.popleft()
+        if line.texts:
+            level.append(line)
+        elif not level:
+            del self.levels[line.priority]
         self._count -= 1
         return seq
 
     def remove(self, doomed) -> list[Sequence]:
         """Takes out the texts for which doomed(seq) is true (asked once each: a cancel may land
         meanwhile); the turn order stays."""
-        lines, gone = deque(), []
-        for line in self.lines:
-            kept = deque()
-            for s in line:
-                (gone if doomed(s) else kept).append(s)
-            if kept:
-                lines.append(kept)
-        self.lines = lines
+        gone = []
+        for priority, level in list(self.levels.items()):
+            for line in level:
+                kept = deque()
+                for s in line.texts:
+                    (gone if doomed(s) else kept).append(s)
+                line.texts = kept
+            level = deque(line for line in level if line.texts)
+            if level:
+                self.levels[priority] = level
+            else:
+                del self.levels[priority]
         self._count -= len(gone)
         return gone
 
     def clear(self) -> None:
-        self.lines.clear()
+        self.levels.clear()
         self._count = 0
 
     def __iter__(self):
-        return itertools.chain.from_iterable(list(self.lines))
+        lines = [line for level in list(self.levels.values()) for line in list(level)]
+        return itertools.chain.from_iterable(list(line.texts) for line in lines)
 
     def __len__(self) -> int:
         return self._count
 
 
 class Scheduler:
-    def __init__(self, policy: str = "continuous", max_batch_tokens: int = 16384, max_waiting: int = 1024):
+    def __init__(self, policy: str = "continuous", max_batch_tokens: int = 16384, max_waiting: int = 1024,
+                 call_share: float = 1.0):
         if policy not in POLICIES:
             raise ValueError(f"unknown batching policy {policy!r}: choose from {', '.join(POLICIES)}")
+        if not 0 < call_share <= 1:
+            raise ValueError(f"call_share must be in (0, 1], got {call_share}")
         self.policy, self.max_batch_tokens, self.max_waiting = policy, max_batch_tokens, max_waiting
-        self.waiting = TakingTurns()
+        self.share = call_share * max_batch_tokens  # of the budget, what one call may hold while others wait
+        self.waiting = Waiting()
 
     def add(self, seqs: list[Sequence]) -> None:
         """One call's texts: all are queued, or none (QueueFull)."""
@@ -90,21 +143,36 @@ class Scheduler:
                             f"this request has {len(seqs)}: retry later")
         self.waiting.add(seqs)
 
-    def admit(self, running: int, used: int) -> list[Sequence]:
-        """Sequences to join a batch of `running` sequences that uses `used` budget."""
+    def admit(self, running: list[Sequence]) -> list[Sequence]:
+        """Sequences to join a batch that holds `running`."""
         if self.policy != "continuous" and running:
             return []
+        beams = sum(s.options.beam for s in running)  # batch_cost's terms, kept up to date
+        sources = sum(s.options.beam * len(s.src) for s in running)
+        width = max((s.max_len for s in running), default=0)
+        held = Counter()  # each call's own budget (Sequence.rows_budget) in the batch: what the cap counts
+        for s in running:
+            held[s.call] += s.rows_budget
         admitted = []
         while self.waiting:
-            head = self.waiting.head()
-            fits = used + head.rows_budget <= self.max_batch_tokens
-            if not fits and (running or admitted):
+            line = self.next_line(held)
+            head = line.texts[0]
+            beam = head.options.beam
+            cost = sources + beam * len(head.src) + (beams + beam) * max(width, head.max_len)
+            if cost > self.max_batch_tokens and (running or admitted):
                 break
-            admitted.append(self.waiting.pop())
-            used += head.rows_budget
+            admitted.append(self.waiting.take(line))
+            beams, sources, width = beams + beam, sources + beam * len(head.src), max(width, head.max_len)
+            held[line.call] += head.rows_budget
             if self.policy == "none":
                 break
         return admitted
+
+    def next_line(self, held: Counter) -> Line:
+        """Rules 1-3: in the highest priority waiting, the first line in turn whose call holds less
+        than its share of the batch; if every one holds its share, the first in turn."""
+        lines = self.waiting.top()
+        return next((line for line in lines if held[line.call] < self.share), lines[0])
 
     def drop(self, doomed) -> list[Sequence]:
         """Remove waiting sequences for which doomed(seq) is true; returns them."""

@@ -26,6 +26,8 @@ class Sequence:
     on_done: Callable[["Sequence"], None]
     tags: list[int] | None = None  # source POS-tag ids for POS models
     deadline: float | None = None  # time.monotonic() value
+    priority: int = 0  # its call's: higher is admitted first (server.engine.scheduler)
+    call: int | None = None  # which call's line it waited in: set by the scheduler, counted by its per-call cap
     id: int = field(default_factory=lambda: next(_ids))
     # search state
     step: int = 0  # decoding steps it took: set when it leaves the batch
@@ -45,7 +47,8 @@ class Sequence:
 
     @property
     def rows_budget(self) -> int:
-        """What admission charges: beam x (source + output tokens)."""
+        """Its own size in beam x tokens: beam x (source + output limit). Admission charges a batch by
+        its longest output limit instead (scheduler.batch_cost); the per-call cap counts this."""
         return self.options.beam * (len(self.src) + self.max_len)
 
     def expired(self, now: float) -> bool:

@@ -10,7 +10,8 @@ Parent and worker exchange small messages over a pipe, never a model:
     worker -> parent   ("ready", None)   ("queued", n)   ("encoded", (n, seconds, cache stats))
                        ("stepped", (rows, seconds, steps, seconds by phase))   ("done", Outcome)
 
-The parent keeps what the service sees: the Sequences (their on_done runs on the worker's
+A submit carries one call's texts for this worker (its line in the worker's scheduler). The
+parent keeps what the service sees: the Sequences (their on_done runs on the worker's
 supervisor thread), the result cache (consulted before dispatch, so repeats never reach a
 worker) and the metrics observer (fed with the workers' reports). A worker that exits fails its
 texts with UNAVAILABLE and is started again. time.monotonic is the system-wide CLOCK_MONOTONIC
@@ -57,6 +58,7 @@ class WorkerSpec:
     max_batch_tokens: int
     max_queue: int  # per worker
     cache_bytes: int  # per worker
+    call_share: float = 1.0  # the scheduler's per-call cap
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class Job:
     max_len: int
     tags: list[int] | None
     deadline: float | None
+    priority: int
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,8 @@ class WorkerReplicas:
             for w, share in zip(live, shares):
                 if share:
                     w.pending.update((s.id, s) for s in share)
-                    w.send("submit", [Job(s.id, s.src, s.options, s.max_len, s.tags, s.deadline) for s in share])
+                    w.send("submit", [Job(s.id, s.src, s.options, s.max_len, s.tags, s.deadline, s.priority)
+                                        for s in share])
         answer_cached(hits, self.observer)
 
     def wake(self) -> None:
@@ -355,7 +359,8 @@ def serve(spec: WorkerSpec, conn) -> None:
     sender.start()
     reporter = Reporter(send)
     engine = Engine(make_backend(spec, spec.backend, spec.precision, spec.threads), spec.version,
-                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue), EncoderCache(spec.cache_bytes),
+                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share),
+                    EncoderCache(spec.cache_bytes),
                     reporter, spec.name)
     reporter.engine = engine
     live: dict[int, Sequence] = {}
@@ -369,8 +374,8 @@ def serve(spec: WorkerSpec, conn) -> None:
         if kind == "stop":
             break
         if kind == "submit":
-            seqs = [Sequence(j.src, j.options, j.max_len, on_done, tags=j.tags, deadline=j.deadline, id=j.id)
-                    for j in body]
+            seqs = [Sequence(j.src, j.options, j.max_len, on_done, tags=j.tags, deadline=j.deadline, priority=j.priority,
+                             id=j.id) for j in body]
             live.update((s.id, s) for s in seqs)
             engine.enqueue(seqs)
         elif kind == "cancel":
