@@ -30,7 +30,7 @@ from .data import source_batches
 from .decode import corpus_translate
 from .metrics import bleu, paired_bootstrap, rouge
 from .seq2seq.checkpoint import load_checkpoint
-from .seq2seq.inputs import BOS, PAD, encode_source, pad
+from .seq2seq.inputs import BOS, PAD, align_tags, encode_source, pad
 from .study import PROBE_PREFIX, RESULTS_DIR, TEST_SPLITS, bag_of_words_weight, git_commit
 
 USES_MARGIN = 0.5  # BLEU / ROUGE-1 points the mean replacement must cost (issue 18's bar)
@@ -47,16 +47,17 @@ def replaced_global_state(model, replace):
 
 
 @torch.no_grad()
-def global_states(model, src: list[list[int]]) -> torch.Tensor:
-    """s^M of every sentence, (N, D), in input order."""
+def global_states(model, src: list[list[int]], tags: list[list[int]] | None = None) -> torch.Tensor:
+    """s^M of every sentence, (N, D), in input order (tags: aligned POS tags, for models that read them)."""
     out = torch.empty(len(src), model.cfg.d_model)
-    for ids, src_batch, _ in source_batches(src, 3000):
-        out[ids] = model.encode(src_batch).global_state
+    for ids, src_batch, tag_batch in source_batches(src, 3000, tags):
+        out[ids] = model.encode(src_batch, tag_batch).global_state
     return out
 
 
 @torch.no_grad()
-def gate_statistics(model, sources: list[list[int]], targets: list[list[int]]) -> dict:
+def gate_statistics(model, sources: list[list[int]], targets: list[list[int]],
+                    tags: list[list[int]] | None = None) -> dict:
     """Teacher-forced (targets are the decoder's inputs, BOS + pieces): the mean gate value and
     ||g * s^M|| / ||r|| over the real target tokens."""
     captured = {}
@@ -65,7 +66,7 @@ def gate_statistics(model, sources: list[list[int]], targets: list[list[int]]) -
     try:
         for start in range(0, len(sources), 64):
             tgt_in = pad(targets[start: start + 64])
-            enc = model.encode(pad(sources[start: start + 64]))
+            enc = model.encode(pad(sources[start: start + 64]), None if tags is None else pad(tags[start: start + 64]))
             model.decode(tgt_in, enc)
             r = model.dec_norm(captured["x"])  # the state GRET's output term is added to
             s = enc.global_state[:, None]
@@ -96,12 +97,19 @@ def probe(path: Path, beam: int, samples: int) -> dict:
     score = (lambda hyps: bleu(hyps, refs)) if metric == "bleu" else (lambda hyps: rouge(hyps, refs)[metric])
 
     src = [encode_source(sp, t, data.max_src_len) for t in sources]
-    states = global_states(model, src)
+    tags = None
+    if model.cfg.pos_tags:  # tagged once, read by every pass
+        from .seq2seq.pos_tags import tag_corpus  # slow import: only POS models need it
+
+        tags = tag_corpus(sources, data.src_lang, sp)
+    aligned = None if tags is None else align_tags(tags, src)
+    states = global_states(model, src, aligned)
     mean = states.mean(0)
     spread = (states - mean).norm(dim=-1).mean().item() / mean.norm().item()
 
     def translate():
-        return corpus_translate(model, sp, sources, beam=beam, max_src_len=data.max_src_len, src_lang=data.src_lang)
+        return corpus_translate(model, sp, sources, beam=beam, max_src_len=data.max_src_len, tags=tags,
+                                src_lang=data.src_lang)
 
     trained = translate()
     ablations = {}
@@ -120,7 +128,7 @@ def probe(path: Path, beam: int, samples: int) -> dict:
             "trained": {metric: score(trained)}, "ablations": ablations,
             "global_state_spread": round(spread, 4),
             "gate": gate_statistics(model, src, [[BOS] + sp.encode(e.target)[: data.max_tgt_len - 2]
-                                                 for e in examples])}
+                                                 for e in examples], aligned)}
 
 
 def main(argv=None):
