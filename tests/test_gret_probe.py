@@ -41,6 +41,17 @@ def test_global_states_come_back_in_input_order_whatever_the_batching():
     assert torch.allclose(together, alone, atol=1e-5)
 
 
+def test_a_model_that_reads_pos_tags_is_probed_with_its_sentences_tags():
+    model = gret("gret_capsule_aggregate", pos_tags=True)
+    src, tags = random_batch(model.cfg, [6, 4])
+    rows = [row[:n].tolist() for row, n in zip(src, (6, 4))]
+    row_tags = [row[:n].tolist() for row, n in zip(tags, (6, 4))]
+    states = global_states(model, rows, row_tags)
+    assert torch.allclose(states, model.encode(src, tags).global_state, atol=1e-5)
+    stats = gate_statistics(model, rows, [[BOS] + r[:-1] for r in rows], row_tags)
+    assert stats["tokens"] == 10 and stats["output_term_ratio_mean"] > 0
+
+
 def test_a_closed_gate_adds_nothing_and_no_gate_adds_all_of_s():
     lengths = [6, 4, 5]
     targets = [[BOS] + s[:-1] for s in sentences(gret(), lengths)]
