@@ -32,6 +32,15 @@ def results_dir(publish: bool) -> Path:
     return PROJECT_ROOT / "docs" / "results" if publish else PROJECT_ROOT / "runs" / "bench"
 
 
+def torch_pipeline(model: str, threads: int, **kwargs):
+    """A served model's pipeline on the PyTorch backend, driven in this process (the text benches:
+    what they measure is the pipeline's handling of texts, not a backend's speed)."""
+    from server.catalog import load_entry  # the server's import chain, only for the benches that drive it
+    from server.pipeline import build_pipeline
+
+    return build_pipeline(load_entry(Path(model), "torch"), "torch", threads=threads, **kwargs)
+
+
 def pages_dir(publish: bool) -> Path:
     """Where the pages rendered from the results go: docs/ beside docs/results, or beside runs/bench's JSON."""
     return PROJECT_ROOT / "docs" if publish else results_dir(False)

@@ -20,16 +20,13 @@ import argparse
 import json
 import random
 from collections import Counter
-from pathlib import Path
 
 from bench.segmenters import documents
 from bench.unknowns import FOREIGN, with_word
-from server.catalog import load_entry
 from server.engine.options import Limits
 from server.documents import segment
 from server.markup import markup_of
-from server.pipeline import build_pipeline
-from bench import add_publish, results_dir
+from bench import add_publish, results_dir, torch_pipeline
 from training.corpora import load_examples
 from training.metrics import bleu
 
@@ -61,9 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     add_publish(p)
     args = p.parse_args(argv)
-    entry = load_entry(Path(args.model), "torch")
-    pipeline = build_pipeline(entry, "torch", threads=args.threads,
-                              limits=Limits(max_texts=10_000, max_text_chars=1 << 20))
+    pipeline = torch_pipeline(args.model, args.threads, limits=Limits(max_texts=10_000, max_text_chars=1 << 20))
     examples = load_examples("multi30k", "test_2016_flickr", "de", "en")[: args.sample]
     rng = random.Random(0)
     plain = [e.source.strip() for e in examples]

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from bench import add_publish, results_dir
+from bench import add_publish, results_dir, torch_pipeline
 from server.documents import segment
 from server.engine.options import DecodingOptions, Limits
 from server.engine.sequence import OK
-from server.catalog import load_entry
-from server.pipeline import build_pipeline
 from training.corpora import load_examples
 from training.seq2seq.inputs import normalize_input
 from training.metrics import paired_bootstrap, rouge
@@ -69,9 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     add_publish(p)
     args = p.parse_args(argv)
-    entry = load_entry(Path(args.model), "torch")
-    pipeline = build_pipeline(entry, "torch", threads=args.threads, max_queue=1 << 20,
+    pipeline = torch_pipeline(args.model, args.threads, max_queue=1 << 20,
                               limits=Limits(max_texts=100_000, max_text_chars=1 << 24))
+    entry = pipeline.entry
     fits = pipeline._fits
     window = entry.max_src_len - 1
     gigaword = load_examples("gigaword", "valid")

@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 
-from server.catalog import load_entry
 from server.engine.options import DecodingOptions, Limits
 from server.engine.sequence import Sequence
-from server.pipeline import build_pipeline
 from server.unknowns import protect
-from bench import add_publish, results_dir
+from bench import add_publish, results_dir, torch_pipeline
 from training.corpora import load_examples
 from training.metrics import bleu
 from training.seq2seq.inputs import EOS
@@ -61,8 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     add_publish(p)
     args = p.parse_args(argv)
-    entry = load_entry(Path(args.model), "torch")
-    pipeline = build_pipeline(entry, "torch", threads=args.threads, limits=Limits(max_texts=10_000))
+    pipeline = torch_pipeline(args.model, args.threads, limits=Limits(max_texts=10_000))
     examples = load_examples("multi30k", "test_2016_flickr", "de", "en")[: args.sample]
     sources, refs = [e.source for e in examples], [e.refs for e in examples]
 
@@ -85,7 +81,7 @@ def main(argv=None) -> int:
         scores[name] = {"bleu": round(bleu(cleaned, refs), 2), "runs_kept_percent": round(100 * kept / len(sources), 1)}
         print(name, scores[name], flush=True)
 
-    special = [{"source": s, "read_as": entry.sp.decode(entry.sp.encode(s)), "output": o,
+    special = [{"source": s, "read_as": pipeline.entry.sp.decode(pipeline.entry.sp.encode(s)), "output": o,
                 "runs": [run.text for run in protect(s, pipeline.alphabet).runs]}
                for s, o in zip(SPECIAL, pipeline.decode(SPECIAL))]
     for row in special:

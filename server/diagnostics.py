@@ -29,7 +29,7 @@ def gret_diagnostics(model: Seq2Seq, src: list[int], tokens: list[int],
     enc = model.encode(src_t, tag_t)
     gate = []
     if model.context_gate is not None:
-        x = model.embed_tokens(torch.tensor([[cfg.bos_id] + tokens]), 0)
+        x = model.embed_tokens(torch.tensor([[cfg.bos_id] + tokens]))
         for layer, memory in zip(model.decoder, enc.memory):
             x = layer(x, memory, enc.src_pad)
         r = model.dec_norm(x[0, : len(tokens)])

@@ -131,7 +131,7 @@ def test_closed_gate_reproduces_the_baseline_logits():
     src, _ = random_batch(model.cfg, [6, 4])
     tgt = torch.randint(4, model.cfg.vocab_size, (2, 5))
     enc = model.encode(src)
-    x = model.embed_tokens(tgt, 0)
+    x = model.embed_tokens(tgt)
     for layer, memory in zip(model.decoder, enc.memory):
         x = layer(x, memory, enc.src_pad)
     baseline = torch.nn.functional.linear(model.dec_norm(x), model.embed.weight)

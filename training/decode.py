@@ -16,12 +16,8 @@ def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length
     """One detokenised output per input text, in input order."""
     model.eval()
     src = [encode_source(sp, t, max_src_len) for t in texts]
-    if model.cfg.pos_tags and tags is None:
-        if src_lang is None:
-            raise ValueError("a POS-tag model needs the source language to tag its input")
-        from .seq2seq.pos_tags import tag_corpus  # slow import: only POS models need it
-
-        tags = tag_corpus(texts, src_lang, sp)
+    if tags is None:
+        tags = source_tags(model, sp, texts, src_lang)
     if tags is not None:
         tags = align_tags(tags, src)
     out: list[str] = [""] * len(texts)
@@ -36,3 +32,15 @@ def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length
         for i, tokens in zip(ids, results):
             out[i] = sp.decode(tokens)
     return out
+
+
+def source_tags(model: Seq2Seq, sp, texts: list[str], src_lang: str | None) -> list[list[int]] | None:
+    """The texts' POS tags (per word, align_tags fits them to the pieces) for a model that reads
+    them; None for one that does not."""
+    if not model.cfg.pos_tags:
+        return None
+    if src_lang is None:
+        raise ValueError("a POS-tag model needs the source language to tag its input")
+    from .seq2seq.pos_tags import tag_corpus  # slow import: only POS models need it
+
+    return tag_corpus(texts, src_lang, sp)

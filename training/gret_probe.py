@@ -27,7 +27,7 @@ from kernels.context_gate import gate_values
 
 from .corpora import load_examples
 from .data import source_batches
-from .decode import corpus_translate
+from .decode import corpus_translate, source_tags
 from .metrics import bleu, paired_bootstrap, rouge
 from .seq2seq.checkpoint import load_checkpoint
 from .seq2seq.inputs import BOS, PAD, align_tags, encode_source, pad
@@ -97,11 +97,7 @@ def probe(path: Path, beam: int, samples: int) -> dict:
     score = (lambda hyps: bleu(hyps, refs)) if metric == "bleu" else (lambda hyps: rouge(hyps, refs)[metric])
 
     src = [encode_source(sp, t, data.max_src_len) for t in sources]
-    tags = None
-    if model.cfg.pos_tags:  # tagged once, read by every pass
-        from .seq2seq.pos_tags import tag_corpus  # slow import: only POS models need it
-
-        tags = tag_corpus(sources, data.src_lang, sp)
+    tags = source_tags(model, sp, sources, data.src_lang)  # tagged once, read by every pass
     aligned = None if tags is None else align_tags(tags, src)
     states = global_states(model, src, aligned)
     mean = states.mean(0)

@@ -3,7 +3,7 @@
 Search state, in row order (rows of a sequence are contiguous; sequences in admission order):
   sources   each sequence's encoder state in a slot of its own (source_slots.py; never tiled per
             beam), enc_slot (S,) which slot
-  row_seq   (R,) which sequence (index into `seqs`, and into enc) a row belongs to
+  row_seq   (R,) which sequence (index into `seqs` and `enc_slot`) a row belongs to
   tokens    (R,) each row's last token;  positions (R,) its next target position = keys cached
   scores    (R,) cumulative log-probability;  history (R, columns): row r's tokens so far in
             its first positions[r] columns
@@ -229,9 +229,9 @@ class Batch:
             gone[alive] = False
             self.sources.free(self.enc_slot[gone])
             self.enc_slot = self.enc_slot.index_select(0, alive)
-            moves = self.sources.compact()
-            if moves:
-                self.enc_slot = torch.tensor([moves.get(s, s) for s in self.enc_slot.tolist()], dtype=torch.long)
+            moved = self.sources.compact()
+            if moved is not None:
+                self.enc_slot = moved.index_select(0, self.enc_slot)
         if not len(alive):  # the storage stays for the next sequences
             return
         self._close_up()

@@ -74,9 +74,9 @@ class SourceSlots:
         used = self.lengths.nonzero()
         return int(used[-1, 0]) + 1 if len(used) else 0
 
-    def compact(self) -> dict[int, int] | None:
+    def compact(self) -> torch.Tensor | None:
         """Close holes once they are an eighth of the slots read, and give back source columns once
-        the longest source has left; returns the moves {old slot: new slot}, or None."""
+        the longest source has left; returns each old slot's new slot (capacity,), or None: nothing moved."""
         n, used = self.in_use(), int((self.lengths > 0).sum())
         if used:
             needed = whole_steps(int(self.lengths.max()))
@@ -94,7 +94,7 @@ class SourceSlots:
         self.src_pad[low] = self.src_pad[high]
         self.lengths[low] = self.lengths[high]
         self.free(high)
-        return dict(zip(high.tolist(), low.tolist()))
+        return torch.arange(self.capacity).index_copy_(0, high, low)
 
     def _layout(self, slots: int, width: int, like: EncoderState | None = None) -> None:
         """New storage of `slots` x `width`, the slots in use copied over (their columns up to width)."""

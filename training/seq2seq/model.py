@@ -99,7 +99,7 @@ class Seq2Seq(nn.Module):
     # ---- embeddings -------------------------------------------------------------------
     def embed_source(self, src: torch.Tensor, tags: torch.Tensor | None) -> torch.Tensor:
         if not self.cfg.pos_tags:
-            return self.embed_tokens(src, 0)
+            return self.embed_tokens(src)
         if tags is None:
             raise ValueError("this model needs source POS tags (config pos_tags=True)")
         # The source words stay tied to the shared table: with d_emb = D - 64 they read its first d_emb columns
@@ -111,8 +111,10 @@ class Seq2Seq(nn.Module):
         x = torch.cat([x, t], -1)
         return self.drop(self.src_in(x) if self.src_in is not None else x)
 
-    def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        pos = self.positions[start: start + tokens.shape[1]]
+    def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings x sqrt(D) plus their position encodings: positions 0..T-1 along the last
+        axis, or (1-D tokens, the decoder step's rows) each token's own position."""
+        pos = self.positions[: tokens.shape[-1]] if positions is None else self.positions.index_select(0, positions)
         return self.drop(self.embed(tokens) * math.sqrt(self.cfg.d_model) + pos)
 
     # ---- encoder: once per source -------------------------------------------------------
@@ -159,7 +161,7 @@ class Seq2Seq(nn.Module):
 
     def decode(self, tgt_in: torch.Tensor, enc: EncoderState) -> torch.Tensor:
         """Teacher-forced: all T positions at once. Returns logits (B, T, V)."""
-        x = self.embed_tokens(tgt_in, 0)
+        x = self.embed_tokens(tgt_in)
         for layer, memory in zip(self.decoder, enc.memory):
             x = layer(x, memory, enc.src_pad)
         return self.output(x, enc, beam=1)
@@ -183,8 +185,7 @@ class Seq2Seq(nn.Module):
         """step() with the row grouping given (row_groups()): the form export traces (kernels=False;
         row_sentence may be None when no per-sentence tensor is read per row, i.e. without GRET)."""
         per_row = lambda t: None if t is None else t.index_select(0, row_sentence)  # noqa: E731
-        x = self.embed.weight.index_select(0, tokens) * math.sqrt(self.cfg.d_model)
-        x = x + self.positions.index_select(0, positions)  # (R, D)
+        x = self.embed_tokens(tokens, positions)  # (R, D)
         new = []
         for layer, memory, past in zip(self.decoder, enc.memory, cache):
             x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, past_pad, kernels)
