@@ -86,6 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--global-norm", action="store_true", help="GRET: LayerNorm on every x^m and on s^M")
     p.add_argument("--global-zero-bias", action="store_true", help="GRET: FFN_q / FFN_o biases start at zero")
     p.add_argument("--routing-scale", action="store_true", help="GRET: routing logits divided by sqrt(D)")
+    p.add_argument("--global-dropout", type=float, help="GRET: dropout on s^M while training")
     p.add_argument("--global-bow", type=float, default=0.0,
                    help="GRET: weight of an auxiliary loss that predicts the target's words from s^M "
                         "through the tied output embedding (0: off, the paper's training)")
@@ -113,7 +114,8 @@ def model_config(args, vocab_size: int, base: ModelConfig | None) -> ModelConfig
     if base is None:
         changes.update(pre_norm=not args.post_norm, encoder=args.encoder,
                        graph_half_dim=args.graph_half_dim, graph_shared_qkv=args.graph_shared_qkv)
-    for name in ("pooling", "capsules", "routing_iters", "capsule_dim", "gate_bias_init", "dropout", "graph_fusion"):
+    for name in ("pooling", "capsules", "routing_iters", "capsule_dim", "gate_bias_init", "dropout", "graph_fusion",
+                 "global_dropout"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     for name in ("global_norm", "global_zero_bias", "routing_scale"):

@@ -50,6 +50,7 @@ class ModelConfig:
     global_norm: bool = False  # LayerNorm on every layer vector x^m and on s^M: ||s^M|| ~ sqrt(D), like r
     global_zero_bias: bool = False  # FFN_q / FFN_o biases start at 0, so the pooled capsules, not a constant, set x^m
     routing_scale: bool = False  # routing logits divided by sqrt(D): soft coupling instead of token selection
+    global_dropout: float = 0.0  # dropout on s^M while training: the decoder cannot lean on any one of its features
 
     # Layer-wise multi-view decoding (docs/MODEL.md).
     multiview: str | None = None  # gca | gpa | fga | fma | ama
@@ -77,6 +78,7 @@ class ModelConfig:
             (not self.pos_tags or self.pos_proj or self.pos_dim < self.d_model, "pos_dim must be < d_model"),
             (self.pe_k >= 1, "pe_k must be >= 1"),
             (self.routing_iters >= 1 and self.capsules >= 1, "capsules and routing_iters must be >= 1"),
+            (0.0 <= self.global_dropout < 1.0, "global_dropout must be in [0, 1)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from kernels.context_gate import context_gate_reference
 from kernels.routing import capsule_routing, masked_mean, squash  # the dispatcher and the reference math
@@ -98,7 +99,8 @@ class GlobalState(nn.Module):
                 s = self.gru(x, s)
         else:
             s = xs[-1]
-        return self.state_norm(s) if self.cfg.global_norm else s
+        s = self.state_norm(s) if self.cfg.global_norm else s
+        return F.dropout(s, self.cfg.global_dropout, self.training)
 
 
 class ContextGate(nn.Module):
