@@ -4,6 +4,7 @@
     python -m bench server [--quick]   gRPC load: latency vs offered load per batching policy
     python -m bench server --scenario backlog   one-text calls while a 640-text backlog decodes
     python -m bench speed [--quick]    the server with its defaults vs CTranslate2 int8, GRET vs vanilla
+    python -m bench step [--quick]     one step's fixed overhead and cost per row, per architecture and phase
     python -m bench replicas --repository REPO   engine loops as threads vs worker processes
     python -m bench http [--quick]     the HTTP/JSON front end against gRPC on one server, same load
     python -m bench segmenters|unknowns|documents|summaries   issue 19's measurements (docs/DOCUMENTS.md)

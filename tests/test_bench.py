@@ -129,3 +129,32 @@ def test_quick_http_benchmark_drives_both_transports_on_one_server(served_models
     for point in result["points"]:
         assert point["ok"] > 0 and point["errors"] == {} and point["texts_per_s"] > 0
     assert all(r["median"] > 0 for r in result["http_over_grpc"].values())
+
+
+def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_renders_it(served_models, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setattr("bench.step.results_dir", lambda publish: tmp_path)
+    gret = served_models.parent / "runs" / "de-en"
+    code = bench_main(["step", "--quick", "--checkpoints", str(served_models / "tiny-en-de"), str(gret),
+                       "--architectures", "vanilla", "gret", "--precisions", "int8",
+                       "--build-dir", str(tmp_path / "build")])
+    assert code == 0
+    result = json.loads((tmp_path / "bench-step.json").read_text())
+    assert set(result["graph"]) == {"vanilla", "gret"}
+    for by_precision in result["graph"].values():
+        f = by_precision["int8"]
+        assert f["rows"] == [1, 8] and all(ms > 0 for ms in f["ms"]) and {"fixed_ms", "per_row_us"} <= set(f)
+    assert set(result["engine"]) == {"tiny-en-de", "de-en"}
+    for f in result["engine"].values():
+        assert [p["in_flight"] for p in f["points"]] == [1, 4]
+        for p in f["points"]:  # a step carries at least its texts' first rows, and every phase took time
+            assert p["steps"] > 0 and p["rows"] >= 1 and p["texts_per_s"] > 0
+            assert set(p["ms"]) == {"encode", "decoder", "search", "cache"} and p["ms"]["decoder"] > 0
+        assert set(f["fit"]) == {"encode", "decoder", "search", "cache", "step"}
+    assert (tmp_path / "bench-step.png").read_bytes().startswith(PNG)
+
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(tmp_path), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "## One step: fixed overhead and cost per row" in text and "`python -m bench step --quick" in text
+    assert "| `gret` | int8 |" in text and "`de-en` line" in text

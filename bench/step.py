@@ -1,0 +1,260 @@
+"""python -m bench step [--publish] [--quick]
+
+What one step of the engine costs against the rows it carries: the fixed overhead a step pays
+whatever its size, and the cost of each row. Two parts, in one run:
+
+  graph   the decoder step alone (export.onnx_runtime.OnnxModel.step: the ONNX graph and its
+          binding, one thread) for R rows: beam 4 rows per sentence, a 20-piece source, a
+          self-attention cache 32 columns wide. One model per architecture: vanilla, GRET (capsules,
+          layer-wise GRU, context gate: the output term), multi-view (GCA: a memory per decoder layer),
+          Graph-Transformer, mvPE + POS. The weights are untrained, at the shipped models' size
+          (--preset, 8000 pieces): a step's time depends on shapes, not on values. Architectures
+          take turns at each row count.
+  engine  the engine loop (the server's, with its admission defaults, driven in this process) on
+          trained checkpoints, vanilla and GRET, int8, one thread, with N texts in flight: a closed loop over test_2016_flickr
+          in which a finished text is replaced at once, as N callers would. Per step: the
+          milliseconds of each phase (encoder passes, decoder step, search, cache) and the rows.
+
+A least-squares line through the (rows, ms) points gives each its fixed overhead (the intercept)
+and its cost per row (the slope). Writes bench-step.json and bench-step.png into runs/bench
+(docs/results with --publish); `python -m bench report` renders them.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import add_publish, results_dir
+from bench.engine import _commit, _versions, export
+from export.onnx_runtime import OnnxModel
+from export.repository import write_repository
+from server.engine.engine import Engine, Observer
+from server.engine.options import DecodingOptions, Limits
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence
+from training.corpora import PROJECT_ROOT, load_examples
+from training.seq2seq.checkpoint import SPM, load_checkpoint, save_checkpoint
+from training.seq2seq.config import PRESETS, Checkpoint, DataConfig, ModelConfig
+from training.seq2seq.inputs import encode_source
+from training.seq2seq.model import Seq2Seq
+
+ARCHITECTURES = {
+    "vanilla": {},
+    "gret": dict(capsule=True, aggregate=True, gate=True),
+    "multiview-gca": dict(multiview="gca"),
+    "graph": dict(encoder="graph", graph_fusion="weight_gate", graph_half_dim=True),
+    "mvpe-pos": dict(pe_k=7, pos_tags=True),
+}
+BEAM, SOURCE, WIDTH = 4, 20, 32
+PHASES = ("encode", "decoder", "search", "cache")
+
+
+def line(points: list[tuple[float, float]]) -> dict:
+    """Least squares ms = fixed + per_row * rows over (rows, ms) points."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return {"fixed_ms": round(intercept, 3), "per_row_us": round(slope * 1e3, 2)}
+
+
+def median_ms(run, reps: int) -> float:
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+# ---- the decoder graph alone -------------------------------------------------------------------
+def untrained_repository(name: str, preset: str, vocab: int, spm: bytes, build: Path) -> Path:
+    """An exported repository (fp32 + int8) of an untrained model of this architecture."""
+    repo = build / f"{name}-{preset}"
+    if not (repo / "model.json").exists():
+        cfg = ModelConfig(**{**PRESETS[preset], "vocab_size": vocab, **ARCHITECTURES[name]}).validate()
+        torch.manual_seed(0)
+        save_checkpoint(build / f"{name}-{preset}-checkpoint", Seq2Seq(cfg).eval(), Checkpoint(cfg, DataConfig()), spm)
+        write_repository(build / f"{name}-{preset}-checkpoint", repo, quantize="int8", overwrite=True)
+    return repo
+
+
+def step_case(model: OnnxModel, rows: int):
+    """A closure that runs one decoder step of `rows` rows."""
+    cfg, g = model.cfg, torch.Generator().manual_seed(rows)
+    sentences = -(-rows // BEAM)
+    src = torch.randint(4, cfg.vocab_size, (sentences, SOURCE), generator=g)
+    tags = torch.randint(1, cfg.n_pos_tags, src.shape, generator=g) if cfg.pos_tags else None
+    enc = model.encode(src, tags)
+    tokens = torch.randint(4, cfg.vocab_size, (rows,), generator=g)
+    positions = torch.randint(0, WIDTH, (rows,), generator=g)
+    row_sentence = torch.arange(rows) // BEAM
+    past_pad = torch.arange(WIDTH)[None] >= positions[:, None]
+    shape = (rows, cfg.n_heads, WIDTH, cfg.d_model // cfg.n_heads)
+    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.dec_layers)]
+    return lambda: model.step(tokens, positions, row_sentence, past_pad, enc, cache)
+
+
+def graph_part(args, spm: bytes, build: Path) -> dict:
+    models = {(name, precision): OnnxModel(untrained_repository(name, args.preset, args.vocab, spm, build),
+                                           precision=precision, threads=1, verify=False)
+              for name in args.architectures for precision in args.precisions}
+    ms = {key: [] for key in models}
+    for rows in args.rows:
+        for key, model in models.items():  # turns at each row count: load drifts hit all alike
+            ms[key].append(round(median_ms(step_case(model, rows), args.reps), 3))
+    out = {}
+    for (name, precision), times in ms.items():
+        out.setdefault(name, {})[precision] = {"rows": args.rows, "ms": times, **line(list(zip(args.rows, times)))}
+    return out
+
+
+# ---- the engine loop ---------------------------------------------------------------------------
+class Rows(Observer):
+    def __init__(self):
+        self.rows = 0
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        self.rows += rows
+
+
+def closed_loop(engine: Engine, sources: list[list[int]], in_flight: int, texts: int) -> dict:
+    """`texts` texts through the engine with `in_flight` of them queued or running at any time."""
+    options = DecodingOptions(beam=BEAM)
+    cfg, issued, finished = engine.backend.cfg, [0], [0]
+
+    def submit() -> None:
+        src = sources[issued[0] % len(sources)]
+        issued[0] += 1
+        limit = options.output_limit(len(src), cfg.max_positions - 1, Limits())
+        engine.enqueue([Sequence(src, options, limit, on_done=done)])
+
+    def done(_: Sequence) -> None:
+        finished[0] += 1
+        if issued[0] < texts:
+            submit()
+
+    for _ in range(in_flight):
+        submit()
+    for _ in range(10):  # the batch fills and the arenas warm before timing
+        engine.iterate()
+    seconds, steps, rows, count = dict(engine.seconds), engine.steps, engine.observer.rows, finished[0]
+    start = time.perf_counter()
+    engine.run_until_idle()
+    wall = time.perf_counter() - start
+    n = engine.steps - steps
+    return {"in_flight": in_flight, "steps": n, "rows": round((engine.observer.rows - rows) / n, 1),
+            "texts_per_s": round((finished[0] - count) / wall, 1),
+            "ms": {k: round((engine.seconds[k] - seconds[k]) / n * 1e3, 3) for k in PHASES}}
+
+
+def engine_part(args, build: Path) -> dict:
+    from server.backends import OnnxBackend
+    from server.config import ServerConfig
+
+    config = ServerConfig()  # the server's admission defaults
+    checkpoint = args.checkpoints[0]
+    _, ckpt, sp = load_checkpoint(checkpoint)
+    examples = load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang, ckpt.data.tgt_lang)
+    sources = [encode_source(sp, e.source, ckpt.data.max_src_len) for e in examples]
+    engines = {}
+    for path in args.checkpoints:
+        backend = OnnxBackend(export(path, build / f"engine-{path.name}", "onnx"), "int8", 1)
+        engines[path.name] = lambda b=backend: Engine(b, "bench", Scheduler(
+            config.batching, config.max_batch_tokens, 1 << 20, config.max_call_share), observer=Rows())
+    points = {name: [] for name in engines}
+    for in_flight in args.in_flight:
+        for name, make in engines.items():
+            points[name].append(closed_loop(make(), sources, in_flight, max(args.texts, 4 * in_flight)))
+    out = {}
+    for name, series in points.items():
+        fits = {k: line([(p["rows"], p["ms"][k]) for p in series]) for k in PHASES}
+        fits["step"] = line([(p["rows"], sum(p["ms"].values())) for p in series])
+        out[name] = {"points": series, "fit": fits}
+    return out
+
+
+def plot(graph: dict, engine: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, by_precision in graph.items():
+        for precision, f in by_precision.items():
+            left.plot(f["rows"], f["ms"], marker="o", label=f"{name} {precision}")
+    left.set(xlabel="rows in the step", ylabel="ms per decoder step", title="decoder graph alone")
+    left.legend(fontsize=7)
+    for name, f in engine.items():
+        rows = [p["rows"] for p in f["points"]]
+        right.plot(rows, [sum(p["ms"].values()) for p in f["points"]], marker="o", label=f"{name}: whole step")
+        right.plot(rows, [p["ms"]["search"] + p["ms"]["cache"] for p in f["points"]], marker=".", linestyle="--",
+                   label=f"{name}: search + cache")
+    right.set(xlabel="mean rows per step", ylabel="ms per engine step", title="engine loop, int8, 1 thread")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoints", type=Path, nargs="+",
+                   default=[PROJECT_ROOT / "models" / "multi30k-de-en-vanilla", PROJECT_ROOT / "models" / "multi30k-de-en"],
+                   help="trained checkpoints of one task for the engine part")
+    p.add_argument("--architectures", nargs="+", default=list(ARCHITECTURES), choices=list(ARCHITECTURES))
+    p.add_argument("--preset", default="small", choices=list(PRESETS))
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--precisions", nargs="+", default=["int8", "fp32"], choices=["int8", "fp32"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
+    p.add_argument("--reps", type=int, default=21, help="timed steps per point (the median is kept)")
+    p.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    p.add_argument("--texts", type=int, default=300, help="texts per engine point (at least 4 x in flight)")
+    p.add_argument("--build-dir", type=Path, help="where the exported repositories are kept (default: a temp dir)")
+    p.add_argument("--note", default="", help="recorded with the results (e.g. 'training paused with SIGSTOP')")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny models, few points")
+    add_publish(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.vocab, args.rows, args.reps, args.in_flight, args.texts = "tiny", 64, [1, 8], 3, [1, 4], 8
+    torch.set_num_threads(1)  # as the server's engine loops run
+    load_start = os.getloadavg()
+    spm = (args.checkpoints[0] / SPM).read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        build = args.build_dir or Path(tmp)
+        graph = graph_part(args, spm, build)
+        engine = engine_part(args, build)
+    out = results_dir(args.publish) / "bench-step.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(graph, engine, out.with_suffix(".png"))
+    result = {
+        "command": "python -m bench step " + " ".join(argv or []),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
+        "settings": {"preset": args.preset, "vocab": args.vocab, "beam": BEAM, "source": SOURCE, "width": WIDTH,
+                     "reps": args.reps, "checkpoints": [str(c) for c in args.checkpoints], "quick": args.quick},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+                    "load_average_end": os.getloadavg(), "note": args.note},
+        "versions": _versions(),
+        "graph": graph,
+        "engine": engine,
+        "plot": out.with_suffix(".png").name,
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, by_precision in graph.items():
+        for precision, f in by_precision.items():
+            print(f"graph  {name:14s} {precision}: fixed {f['fixed_ms']:.3f} ms + {f['per_row_us']:.1f} us/row")
+    for name, f in engine.items():
+        fits = "  ".join(f"{k} {v['fixed_ms']:.2f} ms + {v['per_row_us']:.1f} us/row" for k, v in f["fit"].items())
+        print(f"engine {name}: {fits}")
+    return 0
