@@ -342,6 +342,11 @@ def step_section(data: dict, results: Path, out: Path) -> str:
          "per step by phase, mean rows per step; the `line` rows fit each phase against the rows (fixed ms + µs per row)."),
         table(["model", "in flight", "rows/step", "texts/s", "encode ms", "decoder ms", "search ms", "cache ms",
                "step ms"], engine_rows),
+        " ".join(f"`{name}`: at its widest point ({f['points'][-1]['rows']} rows) the fixed part is "
+                 f"{100 * f['fit']['step']['fixed_ms'] / sum(f['points'][-1]['ms'].values()):.0f}% of a step, and of "
+                 f"the cost per row the decoder graph takes "
+                 f"{100 * f['fit']['decoder']['per_row_us'] / f['fit']['step']['per_row_us']:.0f}%."
+                 for name, f in data["engine"].items()),
         image(results, data.get("plot"), out, "ms per step against rows"),
     ] if p)
 
