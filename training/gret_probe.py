@@ -120,7 +120,8 @@ def probe(path: Path, beam: int, samples: int) -> dict:
     return {"name": path.name, "dataset": data.dataset, "uses_global_state": uses, "direction": f"{data.src_lang}-{data.tgt_lang}",
             "split": split, "metric": metric,
             "modules": [m for m in ("capsule", "aggregate", "gate", "global_norm", "routing_scale")
-                        if getattr(ckpt.model, m)] + (["bow"] if bag_of_words_weight(ckpt) else []),
+                        if getattr(ckpt.model, m)] + (["bow"] if bag_of_words_weight(ckpt) else [])
+                       + (["global_dropout"] if ckpt.model.global_dropout else []),
             "trained": {metric: score(trained)}, "ablations": ablations,
             "global_state_spread": round(spread, 4),
             "gate": gate_statistics(model, src, [[BOS] + sp.encode(e.target)[: data.max_tgt_len - 2]

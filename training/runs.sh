@@ -8,6 +8,7 @@
 #   bash training/runs.sh gret-a & bash training/runs.sh gret-b & bash training/runs.sh gret-c   # GRET's scale switches (docs/GRET.md)
 #   bash training/runs.sh gret-d & bash training/runs.sh gret-e   # the scale switches from scratch, with mvPE + POS
 #   bash training/runs.sh gret-f & bash training/runs.sh gret-g   # a lighter bag-of-words loss and dropout on s^M
+#   bash training/runs.sh gret-h & bash training/runs.sh gret-i   # between the two: bag-of-words weight against s^M dropout
 #
 # Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
@@ -138,6 +139,17 @@ gret_g() {
   run deen-gret-light-mvpe-pos $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
     --mvpe --pos-tags $LIGHT
 }
+# the light runs do not use s^M (its mean does as well) and the bow-0.5 run uses it and loses: between
+# the two, with mvPE + POS (the better base), which of the weight and the dropout decides
+SCALED_UNGATED="--gret capsule,aggregate --global-norm --global-zero-bias --routing-scale"
+gret_h() {
+  run deen-gret-bow5-drop-mvpe-pos $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
+    --mvpe --pos-tags $SCALED_UNGATED --global-bow 0.5 --global-dropout 0.3
+}
+gret_i() {
+  run deen-gret-bow2-mvpe-pos $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
+    --mvpe --pos-tags $SCALED_UNGATED --global-bow 0.2
+}
 
 case "${1:-}" in
   study) study ;;
@@ -150,5 +162,7 @@ case "${1:-}" in
   gret-e) gret_e ;;
   gret-f) gret_f ;;
   gret-g) gret_g ;;
-  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e|gret-f|gret-g" >&2; exit 2 ;;
+  gret-h) gret_h ;;
+  gret-i) gret_i ;;
+  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e|gret-f|gret-g|gret-h|gret-i" >&2; exit 2 ;;
 esac

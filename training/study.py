@@ -38,7 +38,7 @@ def dataset_of(path: Path) -> str:
 
 def describe(cfg) -> dict:
     return {"capsule": cfg.capsule, "aggregate": cfg.aggregate, "gate": cfg.gate, "global_norm": cfg.global_norm,
-            "routing_scale": cfg.routing_scale, "multiview": cfg.multiview,
+            "routing_scale": cfg.routing_scale, "global_dropout": cfg.global_dropout, "multiview": cfg.multiview,
             "pe_k": cfg.pe_k, "pos_tags": cfg.pos_tags, "encoder": cfg.encoder,
             "graph": f"{cfg.graph_fusion}{'+half' if cfg.graph_half_dim else ''}" if cfg.encoder == "graph" else None}
 
@@ -165,7 +165,8 @@ def render(payload: dict) -> list[str]:
             f"multi-view {a['multiview']}" if a["multiview"] else "", f"mvPE k={a['pe_k']}" if a["pe_k"] != 1 else "",
             "POS" if a["pos_tags"] else "", f"graph {a['graph']}" if a["graph"] else "",
             "s^M LayerNorm" if a.get("global_norm") else "", "routing ÷√D" if a.get("routing_scale") else "",
-            f"bag-of-words {a['global_bow']}" if a.get("global_bow") else "") if x)
+            f"bag-of-words {a['global_bow']}" if a.get("global_bow") else "",
+            f"s^M dropout {a['global_dropout']}" if a.get("global_dropout") else "") if x)
         row = [f"`{s['name']}`", _mark(a["capsule"]), _mark(a["aggregate"]), _mark(a["gate"]), other,
                f"{s['parameters'] / 1e6:.2f}M", steps_text(s)]
         for split in splits:
