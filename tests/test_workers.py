@@ -127,10 +127,10 @@ def test_worker_processes_answer_as_one_thread_loop_does_and_the_parent_counts_t
 def test_a_repeated_request_is_answered_in_the_parent_and_never_reaches_a_worker(servers, group):
     processes, _ = servers
     call = request(english(4, offset=120), beam=2)
-    first = stub(processes).Translate(call, timeout=0.5)
+    first = stub(processes).Translate(call, timeout=60)
     steps = [w.steps for w in group.workers]
     hits = sample(processes, "gret_serve_result_cache_hits_total")
-    again = stub(processes).Translate(call, timeout=0.5)
+    again = stub(processes).Translate(call, timeout=60)
     assert best(again) == best(first) and all(r.result_cache_hit for r in again.results)
     assert [w.steps for w in group.workers] == steps
     assert sample(processes, "gret_serve_result_cache_hits_total") == hits + 4
