@@ -9,6 +9,7 @@
 #   bash training/runs.sh gret-d & bash training/runs.sh gret-e   # the scale switches from scratch, with mvPE + POS
 #   bash training/runs.sh gret-f & bash training/runs.sh gret-g   # a lighter bag-of-words loss and dropout on s^M
 #   bash training/runs.sh gret-h & bash training/runs.sh gret-i   # between the two: bag-of-words weight against s^M dropout
+#   bash training/runs.sh gret-j & bash training/runs.sh gret-k   # the gate with bag-of-words 0.2; a second control seed
 #
 # Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
@@ -150,6 +151,17 @@ gret_i() {
   run deen-gret-bow2-mvpe-pos $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
     --mvpe --pos-tags $SCALED_UNGATED --global-bow 0.2
 }
+# both read s^M and neither beats the control on test_2016: the gate (the paper's full model, at bias 0)
+# lets each output token choose how much of s^M it takes; and a second control seed, to know how far
+# two vanilla runs differ by their seed alone
+gret_j() {
+  run deen-gret-gated-bow2-mvpe-pos $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
+    --mvpe --pos-tags --gret capsule,aggregate,gate --global-norm --global-zero-bias --routing-scale \
+    --gate-bias-init 0 --global-bow 0.2
+}
+gret_k() {
+  run deen-scratch-control-seed2 $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 --seed 2
+}
 
 case "${1:-}" in
   study) study ;;
@@ -164,5 +176,7 @@ case "${1:-}" in
   gret-g) gret_g ;;
   gret-h) gret_h ;;
   gret-i) gret_i ;;
-  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e|gret-f|gret-g|gret-h|gret-i" >&2; exit 2 ;;
+  gret-j) gret_j ;;
+  gret-k) gret_k ;;
+  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e|gret-f|gret-g|gret-h|gret-i|gret-j|gret-k" >&2; exit 2 ;;
 esac
