@@ -36,7 +36,6 @@ import torch
 from bench import add_publish, results_dir
 from bench.engine import _commit, _versions, export
 from export.onnx_runtime import OnnxModel
-from export.repository import write_repository
 from server.engine.engine import Engine, Observer
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
@@ -78,14 +77,13 @@ def median_ms(run, reps: int) -> float:
 
 # ---- the decoder graph alone -------------------------------------------------------------------
 def untrained_repository(name: str, preset: str, vocab: int, spm: bytes, build: Path) -> Path:
-    """An exported repository (fp32 + int8) of an untrained model of this architecture."""
-    repo = build / f"{name}-{preset}"
-    if not (repo / "model.json").exists():
-        cfg = ModelConfig(**{**PRESETS[preset], "vocab_size": vocab, **ARCHITECTURES[name]}).validate()
-        torch.manual_seed(0)
-        save_checkpoint(build / f"{name}-{preset}-checkpoint", Seq2Seq(cfg).eval(), Checkpoint(cfg, DataConfig()), spm)
-        write_repository(build / f"{name}-{preset}-checkpoint", repo, quantize="int8", overwrite=True)
-    return repo
+    """An exported repository (fp32 + int8) of an untrained model of this architecture. The seeded
+    weights are the same at every run, so bench.engine.export reuses a repository built from them."""
+    cfg = ModelConfig(**{**PRESETS[preset], "vocab_size": vocab, **ARCHITECTURES[name]}).validate()
+    torch.manual_seed(0)
+    checkpoint = build / f"{name}-{preset}-checkpoint"
+    save_checkpoint(checkpoint, Seq2Seq(cfg).eval(), Checkpoint(cfg, DataConfig()), spm)
+    return export(checkpoint, build / f"{name}-{preset}", "onnx")
 
 
 def step_case(model: OnnxModel, rows: int):
