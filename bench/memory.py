@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -49,7 +48,7 @@ import psutil
 import yaml
 
 from bench import add_publish, results_dir
-from bench.server import ServerProcess, free_port, git_commit, versions
+from bench.server import ServerProcess, free_port, git_commit, scrape, versions
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from training.corpora import PROJECT_ROOT, load_examples
@@ -131,12 +130,10 @@ class Sampler:
 
 def metric(port: int, name: str) -> dict[str, float]:
     """A metric's value by model label, from the server's own /metrics."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     values: dict[str, float] = collections.defaultdict(float)
-    for line in body.splitlines():
-        if line.startswith(name + "{"):
-            model = line.split('model="', 1)[1].split('"', 1)[0] if 'model="' in line else ""
-            values[model] += float(line.rsplit(" ", 1)[1])
+    for sample, labels, value in scrape(port):
+        if sample == name:
+            values[labels.get("model", "")] += value
     return dict(values)
 
 

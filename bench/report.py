@@ -295,6 +295,7 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
                       for k in data["rounds"][0]["engine-offline"]["busy_share"]) + "."
          if "engine-offline" in data["rounds"][0] else ""),
         f"Resident memory at the end: {memory}.",
+        cpu_split(data),
         "### Throughput against callers",
         ("Closed loop; CTranslate2 answers each caller's one sentence itself (replicas = cores, one thread each), "
          "so it batches nothing across callers. One caller's p50 is the single-user latency."),
@@ -303,6 +304,29 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
         targets_table(data["targets"]),
     ]
     return "\n\n".join(p for p in parts if p)
+
+
+def cpu_split(data: dict) -> str:
+    """Where a served text's time goes, from each server round's own readings (bench.speed.usage)."""
+    servers = [n for n in data["rounds"][0] if n.startswith("server-") and "ms_per_text" in data["rounds"][0][n]]
+    if not servers:
+        return ""
+    ct2 = statistics.median(data["cores"] / r[r["ratios"]["ct2_best"]]["texts_per_s"] * 1e3 for r in data["rounds"])
+    keys = list(data["rounds"][0][servers[0]]["ms_per_text"])
+    rows = []
+    for n in servers:
+        med = {k: statistics.median(r[n]["ms_per_text"][k] for r in data["rounds"]) for k in keys}
+        cpu = med["client"] + med["server parent"] + med["workers"]
+        rows.append([f"`{n}`", *(f"{med[k]:.2f}" for k in keys), f"{cpu:.2f}", f"{cpu / ct2:.2f}"])
+    return "\n\n".join([
+        "### Where a served text's time goes",
+        ("Milliseconds per answered text over each server round of the score (median of the rounds). CPU time: "
+         "`client` is the load generator, `server parent` the server's gRPC process (gRPC, the text pipeline, "
+         "dispatch to the workers), `workers` its engine worker processes (from the server's own metrics). "
+         "`encode` … `cache` split the workers' engine loops by phase, in their thread's wall time. CTranslate2 "
+         f"offline, its best setting of each round, takes {ct2:.2f} core-ms per text (cores ÷ texts/s); "
+         "`÷ CTranslate2` is the served text's CPU over that."),
+        table(["system", *keys, "CPU in all", "÷ CTranslate2"], rows)])
 
 
 def step_section(data: dict, results: Path, out: Path) -> str:

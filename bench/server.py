@@ -53,12 +53,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import add_publish, results_dir
 from proto import gret_serve_pb2 as pb
@@ -115,6 +117,7 @@ class ServerProcess:
                 [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port), *flags],
                 cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | env)
         self.psutil = psutil.Process(self.process.pid)
+        self.metrics_port: int | None = None  # where the caller's flags put the metrics, if it needs them
 
     def cpu_seconds(self) -> float:
         t = self.psutil.cpu_times()
@@ -542,13 +545,20 @@ BACKLOG_QUICK = Backlog(streams=8, texts_per_stream=32, probe_interval_s=0.05, r
 BACKLOG_TARGET_P99_MS = 1000.0
 
 
+def scrape(metrics_port: int) -> list[tuple[str, dict, float]]:
+    """The server's own /metrics on loopback, as (sample name, labels, value)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(body) for s in family.samples]
+
+
+def total(samples: list[tuple[str, dict, float]], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(value for n, have, value in samples if n == name and labels.items() <= have.items())
+
+
 def queue_depth(metrics_port: int) -> float:
     """Texts waiting for admission, from the server's own metrics (all models)."""
-    import urllib.request
-
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith("gret_serve_queue_depth{"))
+    return total(scrape(metrics_port), "gret_serve_queue_depth")
 
 
 def latency(calls: list[Call]) -> dict:

@@ -9,8 +9,10 @@ machine load:
      replica x all threads and all replicas x one thread. The same load on the GRET model gives
      GRET / vanilla. The same engine without gRPC (built with the server's defaults, all texts at
      once) splits the time: server / engine is what gRPC and dispatch cost, the engine's busy time
-     by phase (encoder, decoder, search, cache) is where the rest goes. Medians over rounds, and
-     the ratios per round.
+     by phase (encoder, decoder, search, cache) is where the rest goes. Each server round also
+     splits its own CPU per text: the client, the server's parent process (gRPC, the text
+     pipeline, dispatch to the workers), the worker processes and their engine loops' phases,
+     read from the server's metrics. Medians over rounds, and the ratios per round.
   2. the sweep: texts/s against the number of callers (1, 4, 16, 64, 256) for the server with
      defaults and for CTranslate2 answering each caller's one sentence itself (all replicas x one
      thread; callers are threads, CTranslate2 releases the GIL). One caller's p50 latency is the
@@ -36,13 +38,16 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 
 from bench import add_publish, results_dir
 from bench.engine import CTranslate2, _commit, _versions, export
-from bench.server import FULL, Plan, ServerProcess, call, closed_loop
+from bench.server import FULL, Plan, ServerProcess, call, closed_loop, free_port, scrape, total
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.config import ServerConfig
+from server.engine.engine import PHASES
 from server.engine.options import DecodingOptions
+from server.engine.sequence import OK
 from server.engine.workers import WorkerReplicas
 from training.corpora import PROJECT_ROOT, load_examples
 from training.seq2seq.checkpoint import load_checkpoint
@@ -146,11 +151,13 @@ class EngineOffline:
 # ---- the servers ---------------------------------------------------------------------------------
 def start_server(name: str, model: str, args, log_dir: Path) -> ServerProcess:
     """Default flags but for the caches (off: the texts repeat) and the ports (free, loopback)."""
-    flags = ["--models-dir", str(args.models_dir), "--models", model, "--metrics-port", "0", "--http-port", "0",
-             "--cache-mb", "0", "--result-cache", "0"]
+    metrics_port = free_port()
+    flags = ["--models-dir", str(args.models_dir), "--models", model, "--metrics-port", str(metrics_port),
+             "--http-port", "0", "--cache-mb", "0", "--result-cache", "0"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]
     server = ServerProcess(name, flags, log_dir, {})
+    server.metrics_port = metrics_port
     server.wait_serving(timeout=1800)
     return server
 
@@ -159,7 +166,27 @@ async def load(server: ServerProcess, model: str, texts: list[str], callers: int
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         await call(stub, model, texts[0], {"beam_size": BEAM})  # sessions and arenas warm
-        return await closed_loop(stub, model, texts, {"beam_size": BEAM}, plan, callers)
+        before = usage(server)
+        point = await closed_loop(stub, model, texts, {"beam_size": BEAM}, plan, callers)
+        point["ms_per_text"] = per_text(before, usage(server))
+        return point
+
+
+def usage(server: ServerProcess) -> dict:
+    """Running totals: CPU seconds of this process (the client), of the server's parent process and of
+    its worker processes; the engine loops' seconds by phase; the texts answered."""
+    samples = scrape(server.metrics_port)
+    client = psutil.Process().cpu_times()
+    return {"client": client.user + client.system, "server parent": server.cpu_seconds(),
+            "workers": total(samples, "gret_serve_worker_cpu_seconds_total"),
+            **{phase: total(samples, "gret_serve_engine_seconds_total", phase=phase) for phase in PHASES},
+            "texts": total(samples, "gret_serve_texts_total", status=OK)}
+
+
+def per_text(before: dict, after: dict) -> dict:
+    """Milliseconds per answered text between two usage() readings."""
+    texts = max(after["texts"] - before["texts"], 1)
+    return {k: round((after[k] - before[k]) / texts * 1e3, 3) for k in after if k != "texts"}
 
 
 # ---- the run -------------------------------------------------------------------------------------

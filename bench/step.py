@@ -36,7 +36,7 @@ import torch
 from bench import add_publish, results_dir
 from bench.engine import _commit, _versions, export
 from export.onnx_runtime import OnnxModel
-from server.engine.engine import Engine, Observer
+from server.engine.engine import PHASES, Engine, Observer
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
@@ -54,7 +54,6 @@ ARCHITECTURES = {
     "mvpe-pos": dict(pe_k=7, pos_tags=True),
 }
 BEAM, SOURCE, WIDTH = 4, 20, 32
-PHASES = ("encode", "decoder", "search", "cache")
 
 
 def line(points: list[tuple[float, float]]) -> dict:

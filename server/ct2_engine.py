@@ -16,6 +16,10 @@ from .engine.engine import Engine
 
 
 class Ct2Engine(Engine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds = {"translate": 0.0}  # one CTranslate2 call is both passes and the search
+
     def iterate(self) -> None:
         with self._cond:
             self._drop_doomed()
@@ -36,7 +40,9 @@ class Ct2Engine(Engine):
             self._fail_all(seqs, "failed", f"decoding failed: {type(e).__name__}: {e}")
             return
         self.steps += 1
-        self.observer.stepped(sum(s.options.beam for s in seqs), time.monotonic() - start)
+        seconds = time.monotonic() - start
+        self.seconds["translate"] += seconds
+        self.observer.stepped(sum(s.options.beam for s in seqs), seconds)
         for s in seqs:
             self._answer(s)
 

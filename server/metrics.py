@@ -50,7 +50,7 @@ class Metrics:
         self._results: dict[str, object] = {}
         self._engines: dict[str, object] = {}
         r.register(_CacheCollector(self._caches, self._results))
-        r.register(_RunningCollector(self._engines))
+        r.register(_EngineCollector(self._engines))
         ProcessCollector(registry=r)  # resident memory, CPU seconds, open files of this process
 
     def call_ended(self, model: str, method: str, code: str, seconds: float) -> None:
@@ -134,20 +134,34 @@ class _CacheCollector:
         yield from cache_families(self.results, RESULT_CACHE)
 
 
-class _RunningCollector:
-    """Texts in the models' running batches, counted at scrape time from the engines themselves (a
-    gauge kept by the engine's events would drift with every path that admits or ends a text).
-    CTranslate2 decodes a whole batch inside one call and keeps no running batch: 0."""
+class _EngineCollector:
+    """Read from the engines themselves at scrape time (a gauge kept by the engine's events would
+    drift with every path that admits or ends a text):
+    - texts in the running batches; CTranslate2 decodes a whole batch inside one call and keeps no
+      running batch: 0;
+    - the engine loops' time by phase, summed over a model's loops: where its decoding time goes;
+    - the CPU time of a model's worker processes, which the process metrics (this process only)
+      do not see."""
 
     def __init__(self, engines: dict):
         self.engines = engines
 
     def collect(self):
-        family = GaugeMetricFamily("gret_serve_running_sequences", "Texts in the running batch, being decoded",
-                                   labels=["model"])
+        running = GaugeMetricFamily("gret_serve_running_sequences", "Texts in the running batch, being decoded",
+                                    labels=["model"])
+        phases = CounterMetricFamily(
+            "gret_serve_engine_seconds", "Engine-loop time by phase: encode (encoder passes), decoder (decoder "
+            "steps), search (beam search between steps), cache (rows moved into the next step's state); "
+            "translate for CTranslate2, whose one call does all of them", labels=["model", "phase"])
+        cpu = CounterMetricFamily("gret_serve_worker_cpu_seconds",
+                                  "CPU time of the model's engine worker processes", labels=["model"])
         for model, engine in self.engines.items():
-            family.add_metric([model], engine.running())
-        yield family
+            running.add_metric([model], engine.running())
+            for phase, seconds in engine.seconds.items():
+                phases.add_metric([model, phase], seconds)
+            if hasattr(engine, "cpu_seconds"):
+                cpu.add_metric([model], engine.cpu_seconds)
+        yield from (running, phases, cpu)
 
 
 def cache_families(caches: dict, metrics: dict) -> list:

@@ -19,7 +19,7 @@ from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.catalog import VERIFY_FILE, from_repository, load_entry
 from server.config import ServerConfig
-from server.engine.engine import Draining
+from server.engine.engine import PHASES, Draining
 from server.engine.options import DecodingOptions
 from server.engine.scheduler import QueueFull
 from server.engine.sequence import CANCELLED, DEADLINE, OK
@@ -111,8 +111,10 @@ def sample(server: RunningServer, name: str, **labels) -> float:
 def test_worker_processes_answer_as_one_thread_loop_does_and_the_parent_counts_their_work(servers, group):
     processes, thread = servers
     texts = english(12, offset=100)
-    before = {name: sample(processes, name) for name in ("gret_serve_decoded_rows_total",
-                                                         "gret_serve_encoder_cache_misses_total")}
+    counters = ("gret_serve_decoded_rows_total", "gret_serve_encoder_cache_misses_total",
+                "gret_serve_worker_cpu_seconds_total")
+    before = {name: sample(processes, name) for name in counters}
+    phases = {phase: sample(processes, "gret_serve_engine_seconds_total", phase=phase) for phase in PHASES}
     got = stub(processes).Translate(request(texts, beam=3), timeout=120)
     assert best(got) == best(stub(thread).Translate(request(texts, beam=3), timeout=120))
     assert all(w.steps > 0 for w in group.workers)  # the call was spread over both processes
@@ -122,6 +124,9 @@ def test_worker_processes_answer_as_one_thread_loop_does_and_the_parent_counts_t
     assert sample(processes, "gret_serve_encoder_cache_misses_total") >= \
         before["gret_serve_encoder_cache_misses_total"] + 12
     assert sample(processes, "gret_serve_queue_depth") == 0 and group.idle()
+    # where the workers' time went: every phase ran, and their CPU is counted beside the parent's
+    assert all(sample(processes, "gret_serve_engine_seconds_total", phase=p) > phases[p] for p in PHASES)
+    assert sample(processes, "gret_serve_worker_cpu_seconds_total") > before["gret_serve_worker_cpu_seconds_total"]
 
 
 def test_a_repeated_request_is_answered_in_the_parent_and_never_reaches_a_worker(servers, group):
@@ -174,6 +179,7 @@ def test_a_worker_that_dies_fails_its_texts_with_unavailable_and_is_started_agai
     wait_until(lambda: any(kind == "stepped" and rows > 8 for kind, rows in list(recorder.events)))
     victim = group.workers[0]
     pid = victim.process.pid
+    steps, cpu = victim.steps, victim.cpu_seconds
     os.kill(pid, signal.SIGKILL)
     error = call.exception(60)
     assert error.code() == CODE.UNAVAILABLE and "exited (exit code -9)" in error.details()
@@ -181,6 +187,8 @@ def test_a_worker_that_dies_fails_its_texts_with_unavailable_and_is_started_agai
     texts = english(6, offset=250)
     assert best(stub(processes).Translate(request(texts, beam=2), timeout=120)) == \
         best(stub(thread).Translate(request(texts, beam=2), timeout=120))
+    # the new process counts from zero; the slot's totals (the metrics' counters) never go back
+    assert victim.steps >= steps and victim.cpu_seconds >= cpu
 
 
 def test_drain_finishes_the_queued_texts_and_refuses_new_ones_and_stop_ends_the_workers(served_models, build_cache,

@@ -31,6 +31,10 @@ from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
 
 log = logging.getLogger("server.engine")
 
+# Where an engine loop's time goes: encoder passes, decoder steps (the backend), the search between
+# them, and moving the rows into their next step's state (self-attention cache, encoder state).
+PHASES = ("encode", "decoder", "search", "cache")
+
 # Texts per encoder pass. A step may admit hundreds of short texts; encoded at once, their
 # activations would set ONNX Runtime's memory arena, which keeps its peak, to hundreds of MB per
 # model (bench memory). In passes of this many the encoder costs the same and holds a fraction.
@@ -65,9 +69,7 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self.steps = 0  # decoder steps run (tests and benchmarks read it)
-        # where this loop's time goes: encoder passes, decoder steps (the backend), the search between
-        # them, and moving the rows into their next step's state (self-attention cache, encoder state)
-        self.seconds = {"encode": 0.0, "decoder": 0.0, "search": 0.0, "cache": 0.0}
+        self.seconds = dict.fromkeys(PHASES, 0.0)  # wall seconds of this loop's thread, by phase
         self.replicas: Replicas | None = None  # the group this loop belongs to, if any
 
     def queued(self) -> int:

@@ -8,7 +8,7 @@ Parent and worker exchange small messages over a pipe, never a model:
 
     parent -> worker   ("submit", [Job])   ("cancel", [sequence id])   ("stop", None)
     worker -> parent   ("ready", None)   ("queued", n)   ("encoded", (n, seconds, cache stats))
-                       ("stepped", (rows, seconds, steps, seconds by phase))   ("done", Outcome)
+                       ("stepped", (rows, seconds, Totals))   ("done", Outcome)
 
 A submit carries one call's texts for this worker (its line in the worker's scheduler). The
 parent keeps what the service sees: the Sequences (their on_done runs on the worker's
@@ -26,10 +26,11 @@ import signal
 import threading
 import time
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine import Draining, Observer, answer_cached, split_cached, spread
+from .engine import PHASES, Draining, Observer, answer_cached, split_cached, spread
 from .options import DecodingOptions
 from .result_cache import ResultCache, result_key
 from .scheduler import QueueFull
@@ -73,6 +74,14 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Totals:
+    """A worker process's running totals, sent with each step's report."""
+    steps: int = 0
+    seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # by phase
+    cpu_seconds: float = 0.0  # time.process_time(): all of the process's threads
+
+
+@dataclass(frozen=True)
 class Outcome:
     id: int
     status: str
@@ -106,8 +115,13 @@ class WorkerReplicas:
         return sum(w.steps for w in self.workers)
 
     @property
-    def seconds(self) -> dict[str, float]:  # process-seconds, summed over the workers
-        return {k: sum(w.seconds[k] for w in self.workers) for k in self.workers[0].seconds}
+    def seconds(self) -> dict[str, float]:  # the engine loops' seconds by phase, summed over the workers
+        return {k: sum(w.seconds[k] for w in self.workers) for k in PHASES}
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU seconds of the worker processes (the parent's own are the process metrics')."""
+        return sum(w.cpu_seconds for w in self.workers)
 
     def queued(self) -> int:
         return sum(w.waiting for w in self.workers)
@@ -206,8 +220,10 @@ class Worker:
     def __init__(self, group: WorkerReplicas, index: int):
         self.group, self.index = group, index
         self.pending: dict[int, Sequence] = {}  # by id; changed under group.lock
-        self.waiting, self.steps = 0, 0
-        self.seconds = {"encode": 0.0, "decoder": 0.0, "search": 0.0}
+        self.waiting = 0
+        # totals over every process this slot has run (counters never go back when one restarts)
+        self.steps, self.seconds, self.cpu_seconds = 0, dict.fromkeys(PHASES, 0.0), 0.0
+        self.reported = Totals()  # what the running process last reported
         self.cache_stats: dict[str, int] = {}
         self.process = self.conn = None
         self.ready = threading.Event()  # the worker takes texts
@@ -229,6 +245,7 @@ class Worker:
         while not self.group.stopping:
             context = multiprocessing.get_context("spawn")
             self.conn, child = context.Pipe()
+            self.reported = Totals()
             self.process = context.Process(target=serve, args=(self.group.spec, child), daemon=True,
                                            name=f"engine-{self.group.name}-{self.index}")
             self.process.start()
@@ -275,7 +292,12 @@ class Worker:
             if seq is not None:
                 group.finish(seq, body)
         elif kind == "stepped":
-            rows, seconds, self.steps, self.seconds = body
+            rows, seconds, totals = body
+            last, self.reported = self.reported, totals
+            self.steps += totals.steps - last.steps
+            self.cpu_seconds += totals.cpu_seconds - last.cpu_seconds
+            for k in PHASES:
+                self.seconds[k] += totals.seconds[k] - last.seconds[k]
             group.observer.stepped(rows, seconds)
         elif kind == "encoded":
             n, seconds, self.cache_stats = body
@@ -318,7 +340,7 @@ class Reporter(Observer):
         self.send("encoded", (n_sequences, seconds, self.engine.cache.stats()))
 
     def stepped(self, rows: int, seconds: float) -> None:
-        self.send("stepped", (rows, seconds, self.engine.steps, dict(self.engine.seconds)))
+        self.send("stepped", (rows, seconds, Totals(self.engine.steps, dict(self.engine.seconds), time.process_time())))
 
 
 def serve(spec: WorkerSpec, conn) -> None:
