@@ -27,10 +27,36 @@ def payload(*systems) -> dict:
 def test_the_target_is_met_only_by_a_gain_of_one_point_that_is_significant():
     small = system("small-gain", 0.6, 0.01, capsule=True)
     noisy = system("noisy-gain", 1.4, 0.20, capsule=True, gate=True)
-    assert "**not met** by any system; largest Δ +1.40 (`noisy-gain`" in target_line(payload(small, noisy), "bleu")
+    assert "**not met** by any system; largest Δ on test_2016_flickr +1.40 (`noisy-gain`" in \
+        target_line(payload(small, noisy), "bleu")
     real = system("real-gain", 1.1, 0.004, capsule=True, aggregate=True, gate=True)
     assert target_line(payload(small, real), "bleu").startswith(
-        "Target (Δbleu ≥ +1.0 with p < 0.05 against the control on a split): met; largest Δ +1.10 (`real-gain`")
+        "Target (Δbleu ≥ +1.0 with p < 0.05 against the control on test_2016_flickr, and no loss on the other "
+        "splits): met; largest Δ on test_2016_flickr +1.10 (`real-gain`")
+
+
+def on_2017(s: dict, delta: float, p: float) -> dict:
+    """`s` with a second test split, test_2017_flickr, at Δ `delta` (p)."""
+    second = {"bleu": 35.0 + delta, "chrf": 56.0, "sentences_per_s": 10.0,
+              "significance": {"bleu": {"delta": delta, "p_value": p}, "chrf": {"delta": 0.0, "p_value": 0.5}}}
+    return s | {"splits": s["splits"] | {"test_2017_flickr": second}}
+
+
+def test_the_target_is_judged_on_the_first_split_and_a_loss_on_another_split_fails_it():
+    only_2017 = on_2017(system("gain-on-2017", 0.3, 0.2, capsule=True), 1.6, 0.001)
+    assert "**not met**" in target_line(payload(only_2017), "bleu")  # a gain on the second split alone is not it
+    loses_2017 = on_2017(system("loses-2017", 1.2, 0.01, capsule=True), -0.4, 0.8)
+    assert "**not met**" in target_line(payload(loses_2017), "bleu")
+    assert ": met;" in target_line(payload(on_2017(system("both", 1.2, 0.01, capsule=True), 0.1, 0.4)), "bleu")
+
+
+def test_a_second_seed_of_the_control_is_the_noise_yardstick_and_never_meets_the_target():
+    seed = on_2017(system("control-seed2", 0.08, 0.43), 1.13, 0.022) | {"init_from": {"steps": 1850}}
+    lines = render(payload(seed))
+    assert "" == target_line(payload(seed), "bleu")  # the only other system is no system
+    [line] = [x for x in lines if x.startswith("Seed:")]
+    assert "`control-seed2` is the control's own recipe with another seed" in line
+    assert "test_2016_flickr +0.08 (p 0.430); test_2017_flickr +1.13 (p 0.022)" in line
 
 
 def test_each_system_is_one_row_in_json_order_with_its_delta_p_value_and_parent_steps():
@@ -50,5 +76,5 @@ def test_the_gret_account_lists_only_gret_systems_of_every_study_and_judges_them
     assert [r.split("|")[2].strip() for r in rows] == ["`gret-warm`", "`gret-scratch`"]  # no control, no mvPE
     assert "continued from the 1850-step baseline" in rows[0] and "from scratch" in rows[1]
     assert "test_2016_flickr +0.46 (p 0.129)" in rows[0] and "capsule + aggregate + gate" in rows[1]
-    assert "Met: the largest Δ is +1.20 (`gret-scratch`" in "\n".join(lines)
+    assert "Met: the largest Δ on test_2016_flickr is +1.20 (`gret-scratch`" in "\n".join(lines)
     assert gret_account([payload(system("mvpe", 0.9, 0.07, pe_k=280))]) == []  # no GRET system, no section

@@ -177,24 +177,66 @@ def render(payload: dict) -> list[str]:
         speed = s["speed"]["vs_control"] if "speed" in s else s["splits"][splits[0]]["speed_vs_control"]
         row.append(f"{speed:.2f}")
         lines.append("| " + " | ".join(row) + " |")
-    return lines + ["", target_line(payload, metrics[0]), ""]
+    return lines + [x for line in (target_line(payload, metrics[0]), *seed_lines(payload, metrics[0])) for x in ("", line)] + [""]
+
+
+def judged(payload: dict, metric: str) -> list[tuple[bool, float, float, str, str]]:
+    """(meets the target, Δ, p, system, split) on the first split for every system that changes the
+    control's recipe. The target: Δ ≥ TARGET_DELTA with p < 0.05 on the first split (test_2016_flickr
+    for Multi30K) and no loss on the others. A re-run of the control's recipe with another seed is
+    not a system: seed_lines shows it as the yardstick."""
+    out = []
+    for s in payload["systems"]:
+        sig = {split: r["significance"][metric] for split, r in s["splits"].items() if "significance" in r}
+        if not sig or same_recipe(s, control(payload)):
+            continue
+        first, *others = sig
+        meets = (sig[first]["delta"] >= TARGET_DELTA and sig[first]["p_value"] < 0.05
+                 and all(sig[o]["delta"] >= 0 for o in others))
+        out.append((meets, sig[first]["delta"], sig[first]["p_value"], s["name"], first))
+    return out
 
 
 def target_line(payload: dict, metric: str) -> str:
-    """The study's target, checked from the same JSON: a system beats the control by at least
-    TARGET_DELTA with p < 0.05 on some evaluation split."""
-    deltas = [(r["significance"][metric]["delta"], r["significance"][metric]["p_value"], s["name"], split)
-              for s in payload["systems"] for split, r in s["splits"].items() if "significance" in r]
-    if not deltas:
+    """The study's target, checked from the same JSON (judged)."""
+    results = judged(payload, metric)
+    if not results:
         return ""
-    met = [d for d in deltas if d[0] >= TARGET_DELTA and d[1] < 0.05]
-    delta, p, name, split = max(met or deltas)
-    verdict = "met" if met else "**not met** by any system"
-    return (f"Target (Δ{metric} ≥ +{TARGET_DELTA:.1f} with p < 0.05 against the control on a split): {verdict}; "
-            f"largest Δ {delta:+.2f} (`{name}`, {split}, p {p:.3f}).")
+    meets, delta, p, name, split = max(results)
+    verdict = "met" if meets else "**not met** by any system"
+    return (f"Target (Δ{metric} ≥ +{TARGET_DELTA:.1f} with p < 0.05 against the control on {split}, and no loss on "
+            f"the other splits): {verdict}; largest Δ on {split} {delta:+.2f} (`{name}`, p {p:.3f}).")
+
+
+def control(payload: dict) -> dict | None:
+    return next((s for s in payload["systems"] if s["name"] == payload["control"]), None)
+
+
+def same_recipe(system: dict, control: dict | None) -> bool:
+    """The control's architecture and steps: a re-run of it (another seed), not a variant."""
+    return control is not None and system["arch"] == control["arch"] and system["steps"] == control["steps"]
+
+
+def seed_lines(payload: dict, metric: str) -> list[str]:
+    """What a second seed of the control's own recipe gives: the spread that training noise alone
+    makes, which the bootstrap's p (test sentences resampled, the models fixed) does not count."""
+    lines = []
+    for s in payload["systems"]:
+        if s["name"] == payload["control"] or not same_recipe(s, control(payload)):
+            continue
+        cells = [f"{split} {r['significance'][metric]['delta']:+.2f} (p {r['significance'][metric]['p_value']:.3f})"
+                 for split, r in s["splits"].items() if "significance" in r]
+        lines.append(f"Seed: `{s['name']}` is the control's own recipe with another seed: Δ{metric} "
+                     f"{'; '.join(cells)}. A difference of that size is training noise, which the bootstrap's p "
+                     f"(test sentences resampled, the models fixed) does not count.")
+    return lines
 
 
 GRET_MODULES = ("capsule", "aggregate", "gate")
+
+
+def gret_modules(system: dict) -> list[str]:
+    return [m for m in GRET_MODULES if system["arch"][m]]
 
 
 def gret_account(payloads: list[dict]) -> list[str]:
@@ -202,8 +244,10 @@ def gret_account(payloads: list[dict]) -> list[str]:
     rows, best = [], []
     for payload in payloads:
         metric = "bleu" if payload["task"] == "translate" else "rouge1"
+        best += [b for b in judged(payload, metric) if any(s["name"] == b[3] and gret_modules(s)
+                                                          for s in payload["systems"])]
         for s in payload["systems"]:
-            modules = [m for m in GRET_MODULES if s["arch"][m]]
+            modules = gret_modules(s)
             if not modules or s["name"] == payload["control"]:
                 continue
             how = (f"continued from the {s['init_from']['steps']}-step baseline" if s.get("init_from")
@@ -212,19 +256,18 @@ def gret_account(payloads: list[dict]) -> list[str]:
             for split, r in s["splits"].items():
                 sig = r["significance"][metric]
                 cells.append(f"{split} {sig['delta']:+.2f} (p {sig['p_value']:.3f})")
-                best.append((sig["delta"], sig["p_value"], s["name"], split))
             rows.append(f"| {payload['dataset']} {payload['direction']} | `{s['name']}` | {' + '.join(modules)} | "
                         f"{how} | `{payload['control']}` | Δ{metric}: {'; '.join(cells)} |")
     if not rows:
         return []
-    met = [b for b in best if b[0] >= TARGET_DELTA and b[1] < 0.05]
-    delta, p, name, split = max(met or best)
+    meets, delta, p, name, split = max(best)
     return ["## GRET against its target", "",
-            f"The target: GRET at least +{TARGET_DELTA:.1f} BLEU over the control with p < 0.05. Every GRET system "
-            "of the sections above, in one table:", "",
+            f"The target: GRET at least +{TARGET_DELTA:.1f} over the control with p < 0.05 on the first test split "
+            "(test_2016_flickr for Multi30K), and no loss on the others. Every GRET system of the sections above, "
+            "in one table:", "",
             "| task | system | modules | trained | control | Δ against the control (one-sided p) |",
             "|---|---|---|---|---|---|", *rows, "",
-            f"{'Met' if met else '**Not met**'}: the largest Δ is {delta:+.2f} (`{name}`, {split}, p {p:.3f}).", "",
+            f"{'Met' if meets else '**Not met**'}: the largest Δ on {split} is {delta:+.2f} (`{name}`, p {p:.3f}).", "",
             "What was varied, and what was not: each module alone and together (the ablations); continued learning, "
             "where the modules start untrained on a converged baseline and the control gets the same extra steps, "
             "and training from scratch, where GRET learns with the model from the first step (the paper's setting) "
