@@ -26,8 +26,7 @@ import signal
 import threading
 import time
 from collections import Counter
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engine import PHASES, Draining, Observer, answer_cached, split_cached, spread
@@ -77,7 +76,7 @@ class Job:
 class Totals:
     """A worker process's running totals, sent with each step's report."""
     steps: int = 0
-    seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # by phase
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # by phase
     cpu_seconds: float = 0.0  # time.process_time(): all of the process's threads
 
 
