@@ -20,7 +20,7 @@ class Ct2Engine(Engine):
         super().__init__(*args, **kwargs)
         self.seconds = {"translate": 0.0}  # one CTranslate2 call is both passes and the search
 
-    def iterate(self) -> None:
+    def _turn(self) -> None:
         with self._cond:
             self._drop_doomed()
             seqs = self.scheduler.admit([])

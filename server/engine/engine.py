@@ -52,6 +52,7 @@ class Observer:
     def encoded(self, n_sequences: int, seconds: float) -> None: ...
     def stepped(self, rows: int, seconds: float) -> None: ...
     def finished(self, seq: Sequence) -> None: ...
+    def turn_ended(self) -> None: ...  # after each turn of the loop: what it reported may leave together
 
 
 class Engine:
@@ -145,6 +146,10 @@ class Engine:
     def iterate(self) -> None:
         """One turn of the loop: drop, admit + encode, one decoder step. The thread calls it;
         so can a caller that drives the engine itself (tests, the offline benchmark)."""
+        self._turn()
+        self.observer.turn_ended()
+
+    def _turn(self) -> None:
         with self._cond:
             self._drop_doomed()
             admitted = self.scheduler.admit(self.batch.seqs)

@@ -325,10 +325,20 @@ class ReportedCache:
 # ---- the worker's side ----------------------------------------------------------------------------
 class Reporter(Observer):
     """The worker engine's reports, sent to the parent (whose observer feeds the metrics).
-    Finished texts are reported by on_done instead: the parent records them itself."""
+    Finished texts are reported by on_done instead: the parent records them itself. Reports are
+    held until the loop's turn ends and leave together: one pipe write and one wake-up of the
+    parent per turn, not one per report. Only the engine's thread reports."""
 
-    def __init__(self, send):
-        self.send, self.engine, self.waiting = send, None, None
+    def __init__(self, outbox: queue.SimpleQueue):
+        self.outbox, self.held, self.engine, self.waiting = outbox, [], None, None
+
+    def send(self, kind: str, body) -> None:
+        self.held.append((kind, body))
+
+    def turn_ended(self) -> None:
+        if self.held:
+            self.outbox.put(self.held)
+            self.held = []
 
     def queue_depth(self, n: int) -> None:
         if n != self.waiting:  # it is reported at every step: send changes only
@@ -360,25 +370,24 @@ def serve(spec: WorkerSpec, conn) -> None:
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def forward() -> None:  # what piled up while the pipe was busy goes as one message: fewer wake-ups there
-        while (message := outbox.get()) is not None:
-            messages = [message]
-            while not outbox.empty() and (message := outbox.get()) is not None:
-                messages.append(message)
+        last = False
+        while not last and (messages := outbox.get()) is not None:
+            while not outbox.empty():
+                more = outbox.get()
+                if more is None:
+                    last = True
+                    break
+                messages += more
             conn.send(messages)
-            if message is None:
-                break
-
-    def send(kind: str, body) -> None:
-        outbox.put((kind, body))
 
     def on_done(seq: Sequence) -> None:
         live.pop(seq.id, None)
-        send("done", Outcome(seq.id, seq.status, seq.message, seq.finished, seq.step, seq.admitted, seq.encoded,
-                             seq.cache_hit))
+        reporter.send("done", Outcome(seq.id, seq.status, seq.message, seq.finished, seq.step, seq.admitted,
+                                      seq.encoded, seq.cache_hit))
 
     sender = threading.Thread(target=forward, daemon=True)
     sender.start()
-    reporter = Reporter(send)
+    reporter = Reporter(outbox)
     engine = Engine(make_backend(spec, spec.backend, spec.precision, spec.threads), spec.version,
                     Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share),
                     EncoderCache(spec.cache_bytes),
@@ -386,7 +395,7 @@ def serve(spec: WorkerSpec, conn) -> None:
     reporter.engine = engine
     live: dict[int, Sequence] = {}
     engine.start()
-    send("ready", None)
+    outbox.put([("ready", None)])
     while True:
         try:
             kind, body = conn.recv()
@@ -404,5 +413,6 @@ def serve(spec: WorkerSpec, conn) -> None:
                 seq.cancelled = True
             engine.wake()
     engine.stop()
+    reporter.turn_ended()  # what the loop reported as it stopped: the texts it failed
     outbox.put(None)
     sender.join(10)
