@@ -163,8 +163,9 @@ gret_j() {
 gret_k() {
   run deen-scratch-control-seed2 $((DEEN_BASE + EXTRA)) --batch-tokens 3000 --dropout 0.1 --eval-every 500 --seed 2
 }
-# the gate reads s^M to its loss, and a second seed moves test_2017 by +1.13 alone; all runs still climb
-# at 2650 steps: the budget is the axis left, twice the steps for the variant that reads s^M and its control
+# the gate reads s^M to its loss, and a second seed moves test_2017 by +1.13 alone; the controls' validation
+# curves have not clearly levelled off at 2650 steps, so the budget is the axis left: twice the steps for
+# the variant that reads s^M and its control
 gret_l() {
   run deen-gret-bow2-mvpe-pos-5300 $((2 * (DEEN_BASE + EXTRA))) --batch-tokens 3000 --dropout 0.1 --eval-every 500 \
     --mvpe --pos-tags $SCALED_UNGATED --global-bow 0.2

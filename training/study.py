@@ -185,10 +185,10 @@ def judged(payload: dict, metric: str) -> list[tuple[bool, float, float, str, st
     control's recipe. The target: Δ ≥ TARGET_DELTA with p < 0.05 on the first split (test_2016_flickr
     for Multi30K) and no loss on the others. A re-run of the control's recipe with another seed is
     not a system: seed_lines shows it as the yardstick."""
-    out = []
+    out, reference = [], control(payload)
     for s in payload["systems"]:
         sig = {split: r["significance"][metric] for split, r in s["splits"].items() if "significance" in r}
-        if not sig or same_recipe(s, control(payload)):
+        if not sig or same_recipe(s, reference):
             continue
         first, *others = sig
         meets = (sig[first]["delta"] >= TARGET_DELTA and sig[first]["p_value"] < 0.05
@@ -220,9 +220,9 @@ def same_recipe(system: dict, control: dict | None) -> bool:
 def seed_lines(payload: dict, metric: str) -> list[str]:
     """What a second seed of the control's own recipe gives: the spread that training noise alone
     makes, which the bootstrap's p (test sentences resampled, the models fixed) does not count."""
-    lines = []
+    lines, reference = [], control(payload)
     for s in payload["systems"]:
-        if s["name"] == payload["control"] or not same_recipe(s, control(payload)):
+        if s["name"] == payload["control"] or not same_recipe(s, reference):
             continue
         cells = [f"{split} {r['significance'][metric]['delta']:+.2f} (p {r['significance'][metric]['p_value']:.3f})"
                  for split, r in s["splits"].items() if "significance" in r]
@@ -244,8 +244,8 @@ def gret_account(payloads: list[dict]) -> list[str]:
     rows, best = [], []
     for payload in payloads:
         metric = "bleu" if payload["task"] == "translate" else "rouge1"
-        best += [b for b in judged(payload, metric) if any(s["name"] == b[3] and gret_modules(s)
-                                                          for s in payload["systems"])]
+        gret = {s["name"] for s in payload["systems"] if gret_modules(s)}
+        best += [b for b in judged(payload, metric) if b[3] in gret]
         for s in payload["systems"]:
             modules = gret_modules(s)
             if not modules or s["name"] == payload["control"]:
