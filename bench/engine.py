@@ -42,7 +42,7 @@ from export.manifest import sha256
 from export.repository import write_repository
 from export.spec import export_digest
 from server.backends import OnnxBackend, TorchBackend
-from server.engine.engine import Engine, Replicas
+from server.engine.engine import TOP_K_PHASE, Engine, Replicas
 from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         "commit": _commit(),
         "settings": {"checkpoint": str(args.checkpoint), "gret_checkpoint": str(args.gret_checkpoint or ""),
                      "split": args.split, "sentences": len(ids), "batch": args.batch, "beam": args.beam,
-                     "threads": args.threads, "quick": args.quick},
+                     "threads": args.threads, "quick": args.quick, "top_k_phase": TOP_K_PHASE},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
                     "load_average_end": os.getloadavg()},
         "versions": _versions(),

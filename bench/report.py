@@ -77,6 +77,13 @@ def split(shares: dict | None) -> str:
     return " / ".join(f"{100 * shares[k]:.0f}%" for k in ("encode", "decoder", "search", "cache") if k in shares)
 
 
+def top_k_note(settings: dict) -> str:
+    """Which phase a run counted each row's top-k in: the search's, until the decoder step took it over."""
+    if settings.get("top_k_phase") == "decoder":
+        return "Each row's top-k candidates are chosen inside the decoder step (ONNX Runtime's TopK in the graph)."
+    return "Each row's top-k candidates are counted under search (ONNX Runtime's TopK, run after the step)."
+
+
 def engine_section(data: dict, results: Path, out: Path) -> str:
     s = data.get("settings", {})
     parts = [
@@ -87,9 +94,9 @@ def engine_section(data: dict, results: Path, out: Path) -> str:
         "medians over batches with the interquartile range (> 1: faster than the named system)."),
         ("`-2w`: our engine as `--workers 2 --threads 1` runs it; `-2r`: CTranslate2 with 2 replicas "
          "(inter_threads) of 1 thread. The last column splits our engine's busy time: the encoder, the decoder "
-         "steps (ONNX Runtime or PyTorch), the beam search between steps (the per-row top-k, run as ONNX "
-         "Runtime's TopK on CPU; the selection; finished hypotheses) and, where measured, moving the rows into "
-         "their next step's state (self-attention cache, encoder state; earlier runs count it as search). "
+         "steps (ONNX Runtime or PyTorch), the beam search between steps (the selection; finished hypotheses) "
+         "and, where measured, moving the rows into their next step's state (self-attention cache, encoder "
+         "state; earlier runs count it as search). " + top_k_note(s) + " "
          "ONNX Runtime's int8 quantizes each activation matrix with one scale, so a text's int8 output can depend "
          "on the texts that share its batch; fp32 outputs never do."),
     ]
@@ -292,7 +299,7 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
         (f"`engine-offline`: the server's engine without gRPC ({data.get('engine_setting', '?')}), every text of "
          f"the round submitted at once. Its busy time by phase (median round): "
          + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in data['rounds']):.0f}%"
-                      for k in data["rounds"][0]["engine-offline"]["busy_share"]) + "."
+                      for k in data["rounds"][0]["engine-offline"]["busy_share"]) + ". " + top_k_note(s)
          if "engine-offline" in data["rounds"][0] else ""),
         f"Resident memory at the end: {memory}.",
         cpu_split(data),

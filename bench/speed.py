@@ -45,7 +45,7 @@ from bench.engine import CTranslate2, _commit, _versions, export
 from bench.server import FULL, Plan, ServerProcess, call, closed_loop, free_port, scrape, total
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.config import ServerConfig
-from server.engine.engine import PHASES
+from server.engine.engine import PHASES, TOP_K_PHASE
 from server.engine.options import DecodingOptions
 from server.engine.sequence import OK
 from server.engine.workers import WorkerReplicas
@@ -310,7 +310,8 @@ def main(argv=None) -> int:
                            "load_average_end": os.getloadavg(), "note": args.note},
                "settings": {"model": args.model, "gret": args.gret, "beam": BEAM, "callers": CALLERS,
                             "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup,
-                            "ct2_batch": CT2_BATCH, "ct2_texts": args.ct2_texts, "sweep": SWEEP},
+                            "ct2_batch": CT2_BATCH, "ct2_texts": args.ct2_texts, "sweep": SWEEP,
+                            "top_k_phase": TOP_K_PHASE},
                "targets": {k: {"target": v, "measured": measured["medians"][k],
                                "met": measured["medians"][k] >= v} for k, v in TARGETS.items()},
                **measured}

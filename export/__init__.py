@@ -12,10 +12,11 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
   decoder.onnx  tokens (R,) int64, positions (R,) int64, row_sentence (R,) int64,
                 past_pad (R, past_len) bool (True = a cache column that is not this row's: a row
                 may keep its keys in any columns), the encoder's outputs,
-                past_key.i / past_value.i (R, H, past_len, d_h), past_len >= 0
+                past_key.i / past_value.i (R, H, past_len, d_h), past_len >= 0, top_k (1,) int64
              -> log_probs (R, V) float32, new_key.i / new_value.i (R, H, 1, d_h): only this step's
                 column, so the caller keeps the cache where it likes (server/engine/batch.py
-                writes it in place; decode_step appends it)
+                writes it in place; decode_step appends it), top_log_probs / top_tokens
+                (R, top_k): each row's best, for the beam search
 
 Modules: spec.py (what the graphs hold), graphs.py (the modules that are traced: the encoder pass
 and the model's own decoder step, Seq2Seq.step_rows),

@@ -39,9 +39,10 @@ class EncoderGraph(nn.Module):
 
 class DecoderGraph(nn.Module):
     """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
-    past_pad, the per-sentence tensors, past K/V per layer), positionally in spec order ->
-    log_probs (R, V), this step's K/V per layer (R, H, 1, d_h): Seq2Seq.step_rows, the model's
-    own step, in plain torch ops (kernels=False) so that tracing follows it."""
+    past_pad, the per-sentence tensors, past K/V per layer, top_k), positionally in spec order ->
+    log_probs (R, V), this step's K/V per layer (R, H, 1, d_h), each row's top_k best
+    log-probabilities and tokens (R, top_k): Seq2Seq.step_rows, the model's own step, in plain
+    torch ops (kernels=False) so that tracing follows it, then ONNX's TopK."""
 
     def __init__(self, model: Seq2Seq):
         super().__init__()
@@ -55,7 +56,7 @@ class DecoderGraph(nn.Module):
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
         log_probs, new = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
                                      named["group_rows"], named["row_slot"], named["past_pad"], enc, past)
-        return (log_probs, *(t for kv in new for t in kv))
+        return (log_probs, *(t for kv in new for t in kv), *log_probs.topk(named["top_k"], -1))
 
 
 def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,12 +71,13 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
 
 
 def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, past_pad: torch.Tensor,
-                   enc: EncoderState, cache: list) -> dict[str, torch.Tensor]:
+                   enc: EncoderState, cache: list, top_k: int) -> dict[str, torch.Tensor]:
     """The decoder step's inputs by name (a superset of any one model's spec). A row whose
     row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
     row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
     inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence.clamp(min=0),
-              "row_slot": row_slot, "group_rows": group_rows, "past_pad": past_pad}
+              "row_slot": row_slot, "group_rows": group_rows, "past_pad": past_pad,
+              "top_k": torch.tensor([top_k])}
     inputs |= dict(zip(state_names(enc), flatten_state(enc)))
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))

@@ -22,7 +22,7 @@ ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT
 
 # Sample sizes for tracing: all different from each other and > 1, so that no axis is mistaken for
 # another or specialised to a constant.
-SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST = 2, 7, 3, 4
+SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST, SAMPLE_TOP_K = 2, 7, 3, 4, 5
 
 
 class ExportError(ValueError):
@@ -49,7 +49,8 @@ def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple
     past_pad[2, : SAMPLE_PAST - 1] = True  # ... so the late row's cache is left-padded
     past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_PAST, d_head) for _ in range(2 * cfg.dec_layers)]
     enc = unflatten_state(cfg, per_sentence)
-    inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, list(zip(past[::2], past[1::2])))
+    inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, list(zip(past[::2], past[1::2])),
+                            SAMPLE_TOP_K)
     return tuple(inputs[name] for name in decoder_spec(cfg).input_names())
 
 

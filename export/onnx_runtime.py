@@ -20,7 +20,7 @@ from training.seq2seq.model import EncoderState, grown_step
 
 from .graphs import decoder_inputs, unflatten_state
 from .manifest import read_manifest
-from .spec import GraphSpec, decoder_spec, encoder_spec
+from .spec import GraphSpec, decoder_spec, encoder_spec, new_names
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -117,12 +117,22 @@ class OnnxModel:
         """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step.
         Returns log-probabilities (R, V) and this step's keys and values in one
         tensor (2 x layers, R, H, 1, d_h): layer i's keys at 2i, its values at 2i + 1."""
+        log_probs, new, _ = self.step_top(tokens, positions, row_sentence, past_pad, enc, cache, 1)
+        return log_probs, new
+
+    def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+                 past_pad: torch.Tensor, enc: EncoderState, cache: list, top_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """step(), plus each row's top_k best log-probabilities and tokens (R, top_k), best first,
+        chosen inside the graph: the beam search's candidates without a second pass over log_probs."""
         rows = tokens.shape[0]
-        inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache)
-        shapes = {t.name: tuple({"rows": rows}.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
+        inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache, top_k)
+        sizes = {"rows": rows, "k": top_k}
+        shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
         new = torch.empty(2 * self.cfg.dec_layers, rows, self.n_heads, 1, self.d_head, device=self.device)
-        outputs = self.decoder.run(inputs, shapes, out=dict(zip([t.name for t in self.decoder.spec.outputs[1:]], new)))
-        return outputs["log_probs"], new
+        names = [n for i in range(self.cfg.dec_layers) for n in new_names(i)]
+        outputs = self.decoder.run(inputs, shapes, out=dict(zip(names, new)))
+        return outputs["log_probs"], new, (outputs["top_log_probs"], outputs["top_tokens"])
 
     @staticmethod
     def reorder(cache: list, rows: torch.Tensor) -> list:

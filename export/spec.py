@@ -102,6 +102,10 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
         outputs += [TensorSpec(n, "float32", ("rows", heads, 1, d_head)) for n in new_names(i)]
+    # Each row's top_k best tokens, best first (ONNX TopK: of equal values the lower token first):
+    # the beam search's candidates, chosen inside the step rather than by a second call over log_probs.
+    inputs.append(TensorSpec("top_k", "int64", (1,)))
+    outputs += [TensorSpec("top_log_probs", "float32", ("rows", "k")), TensorSpec("top_tokens", "int64", ("rows", "k"))]
     weights = ["embed.", "dec_norm.", "context_gate.w_r."]
     weights += [f"decoder.{i}.{part}." for i in range(cfg.dec_layers) for part in DECODER_LAYER_PARTS]
     return GraphSpec("decoder", tuple(inputs), tuple(outputs), tuple(weights))

@@ -2,13 +2,16 @@
 
     cfg                                   the ModelConfig
     encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
-    step(tokens, positions, row_sentence, past_pad, enc, cache)
+    step_top(tokens, positions, row_sentence, past_pad, enc, cache, top_k)
                                           -> log-probabilities (R, V), this step's keys and values
-                                             (2 x layers, R, H, 1, d_h): layer i's K at 2i, V at 2i+1
+                                             (2 x layers, R, H, 1, d_h): layer i's K at 2i, V at 2i+1,
+                                             each row's top_k best (log-probabilities, tokens) (R, top_k)
 
 ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
 modules, eager; on CUDA the Triton kernels through kernels.dispatch). Their step is the same
-function, training.seq2seq.model.Seq2Seq.step, traced for one and called for the other.
+function, training.seq2seq.model.Seq2Seq.step, traced for one and called for the other; both pick
+the top_k with ONNX's TopK (inside the graph, or server.engine.topk after the step), so they agree
+on ties.
 CTranslate2 batches whole requests itself and is served by server/ct2_engine.py.
 """
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 
 from export.onnx_runtime import OnnxModel
 from training.seq2seq.model import EncoderState, Seq2Seq
+
+from .engine.topk import row_topk
 
 BACKENDS = ("onnx", "torch", "ct2")
 
@@ -35,8 +40,9 @@ class TorchBackend:
         return self.model.encode(src, src_tags)
 
     @torch.no_grad()
-    def step(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache) -> tuple[torch.Tensor, list]:
-        return self.model.step(tokens, positions, row_sentence, past_pad, enc, cache)
+    def step_top(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache, top_k: int) -> tuple:
+        log_probs, new = self.model.step(tokens, positions, row_sentence, past_pad, enc, cache)
+        return log_probs, new, row_topk()(log_probs.float(), top_k)
 
 
 class OnnxBackend(OnnxModel):

@@ -124,6 +124,16 @@ class Pipeline:
         split = not self.summarize if split is None else split
         leads = self.summarize and truncate is None
         truncate = split or self.summarize if truncate is None else truncate
+        read: dict[str, Source] = {}  # segment -> Source: a segment is read once, to see if it fits and to decode it
+
+        def reading(part: str) -> Source:
+            if part not in read:
+                read[part] = self._source(part)
+            return read[part]
+
+        def fits(part: str) -> bool:
+            return not self._cut(reading(part))
+
         docs = []
         for i, text in enumerate(texts):
             if not text.strip():
@@ -131,15 +141,15 @@ class Pipeline:
             if len(text) > limits.max_text_chars:
                 raise InputError(f"text {i} has {len(text)} characters; the limit is {limits.max_text_chars}")
             if markup:
-                layout = segment_html(text, self.entry.source_language, self._fits)
+                layout = segment_html(text, self.entry.source_language, fits)
             else:
-                layout = segment(text, self.entry.source_language, self._fits) if split else whole(text)
+                layout = segment(text, self.entry.source_language, fits) if split else whole(text)
             if not layout.segments:
                 raise InputError(f"text {i} has no text outside its markup")
-            sources = [self._source(part) for part in layout.segments]
+            sources = [reading(part) for part in layout.segments]
             lead = leads and self._cut(sources[0])
             if lead:  # a text over the window is summarised from its lead sentence (measured: docs/DOCUMENTS.md)
-                sources = [self._source(segment(text, self.entry.source_language, self._fits).segments[0])]
+                sources = [reading(segment(text, self.entry.source_language, fits).segments[0])]
             pieces = self._prefix_pieces(prefixes[i])
             seqs = [self._sequence(i, source, replace(options, prefix=tuple(pieces)) if k == 0 and pieces else options,
                                    on_done, deadline, truncate) for k, source in enumerate(sources)]

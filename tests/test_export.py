@@ -17,6 +17,7 @@ from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec
+from server.engine.topk import row_topk
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from training.corpora import load_examples
 from training.data import train_sentencepiece
@@ -126,6 +127,25 @@ def test_a_sentence_may_join_the_batch_later_with_a_left_padded_cache(tmp_path, 
             ref, ref_cache[sentence] = model.decode_step(tokens[sentence: sentence + 1], int(positions[row]),
                                                          alone[sentence], ref_cache[sentence])
             torch.testing.assert_close(log_probs[row: row + 1], ref, **TOLERANCE)
+
+
+def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path, spm_bytes):
+    """The beam search's candidates are chosen inside the decoder graph: each row's top_k best
+    log-probabilities and tokens, best first, exactly what TopK over the step's log_probs gives
+    (server.engine.topk, the PyTorch backend's choice), for any top_k up to the vocabulary."""
+    model, onnx_model = export_tiny("gret_full", tmp_path, spm_bytes)
+    src, _ = random_batch(model.cfg, [5, 3])
+    enc = onnx_model.encode(src)
+    rows = torch.tensor([0, 0, 1])
+    empty = torch.empty(3, model.cfg.n_heads, 0, model.cfg.d_model // model.cfg.n_heads)
+    for top_k in (1, 8, model.cfg.vocab_size):
+        log_probs, _, (values, tokens) = onnx_model.step_top(
+            torch.tensor([model.cfg.bos_id, 7, model.cfg.bos_id]), torch.tensor([0, 0, 0]), rows,
+            torch.zeros(3, 0, dtype=torch.bool), enc, [(empty, empty)] * model.cfg.dec_layers, top_k)
+        assert values.shape == tokens.shape == (3, top_k)
+        expected = row_topk()(log_probs, top_k)
+        assert torch.equal(values, expected[0]) and torch.equal(tokens, expected[1])
+        assert torch.equal(log_probs.gather(1, tokens), values)
 
 
 def test_first_step_has_an_empty_past_and_the_past_axis_is_dynamic(tmp_path, spm_bytes):

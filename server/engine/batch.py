@@ -31,9 +31,9 @@ or has no candidate left. It runs as tensor operations over all rows of all sequ
 Python touches only the hypotheses that finish and the sequences that end. At its first step a
 sequence has one row (BOS), not `beam` copies.
 
-A step is two calls, timed apart by the engine: search() decides (top-k, candidates, finished
-hypotheses), advance() moves the rows into their next state (history, the self-attention cache,
-the encoder slots of sequences that ended).
+A step is two calls, timed apart by the engine: search() decides (candidates from the top-k that
+the backend's step picked, finished hypotheses), advance() moves the rows into their next state
+(history, the self-attention cache, the encoder slots of sequences that ended).
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ class Batch:
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:
         """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, past_pad, enc,
-        cache); an empty slot has row_sentence -1 and no column of its own. A row's sentence is
-        its sequence's encoder slot."""
+        cache, top_k); an empty slot has row_sentence -1 and no column of its own. A row's sentence
+        is its sequence's encoder slot; top_k is the candidates a row needs: twice the widest beam."""
         n = int(self.slot.max()) + 1
         tokens = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.tokens)
         positions = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
@@ -121,7 +121,8 @@ class Batch:
                                                                          self.enc_slot.index_select(0, self.row_seq))
         past_pad = torch.arange(self.width)[None] >= positions[:, None]
         cache = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
-        return tokens, positions, row_sentence, past_pad, self.sources.state(), cache
+        top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
+        return tokens, positions, row_sentence, past_pad, self.sources.state(), cache, top_k
 
     @property
     def width(self) -> int:
@@ -131,12 +132,14 @@ class Batch:
     def capacity(self) -> int:
         return self.kv.shape[1] if self.kv is not None else 0
 
-    def search(self, log_probs: torch.Tensor) -> Choice:
-        """One step's decisions from its log-probabilities (slots, V), per slot as step_inputs
-        ordered them: finished hypotheses join their sequences, the rest is for advance()."""
-        log_probs = self._constrain(log_probs.float())
-        k = min(2 * int(self.beams.max()), log_probs.shape[1])
-        top_log_probs, top_tokens = row_topk()(log_probs, k)
+    def search(self, log_probs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor]) -> Choice:
+        """One step's decisions from its log-probabilities (slots, V) and each slot's top_k best
+        (log-probabilities, tokens) (slots, top_k), per slot as step_inputs ordered them: finished
+        hypotheses join their sequences, the rest is for advance()."""
+        top_log_probs, top_tokens = top
+        k = top_tokens.shape[1]
+        if self.constrained:  # the constraints change some log-probabilities: their top_k is chosen again
+            top_log_probs, top_tokens = row_topk()(self._constrain(log_probs.float()), k)
         cand = candidates(self.scores, top_log_probs.index_select(0, self.slot),
                           top_tokens.index_select(0, self.slot), self.counts, k)
         length = self.positions.index_select(0, self.counts.cumsum(0) - self.counts) + 1  # of each sequence
@@ -184,8 +187,6 @@ class Batch:
         """A target prefix (forced while the step is inside it; training.seq2seq.beam.force_prefix), else
         min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs are per
         slot); rare options, so plain Python over the sequences that have them."""
-        if not self.constrained:
-            return log_probs
         starts = (self.counts.cumsum(0) - self.counts).tolist()
         for i, seq in enumerate(self.seqs):
             if not constrained(seq):

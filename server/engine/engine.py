@@ -34,6 +34,7 @@ log = logging.getLogger("server.engine")
 # Where an engine loop's time goes: encoder passes, decoder steps (the backend), the search between
 # them, and moving the rows into their next step's state (self-attention cache, encoder state).
 PHASES = ("encode", "decoder", "search", "cache")
+TOP_K_PHASE = "decoder"  # each row's top-k candidates are the backend's step's (benchmarks record it)
 
 # Texts per encoder pass. A step may admit hundreds of short texts; encoded at once, their
 # activations would set ONNX Runtime's memory arena, which keeps its peak, to hundreds of MB per
@@ -208,9 +209,9 @@ class Engine:
     def _step(self) -> None:
         start = time.monotonic()
         rows = self.batch.rows
-        log_probs, new_kv = self.backend.step(*self.batch.step_inputs())
+        log_probs, new_kv, top = self.backend.step_top(*self.batch.step_inputs())
         stepped = time.monotonic()
-        choice = self.batch.search(log_probs)
+        choice = self.batch.search(log_probs, top)
         searched = time.monotonic()
         finished = self.batch.advance(choice, new_kv)
         end = time.monotonic()
