@@ -49,14 +49,16 @@ def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tenso
     pooled = masked_mean(h, pad)[:, None, :].expand(-1, n_caps, -1)  # iteration 1: uniform c
     c = (~pad).float()[:, None, :].expand(-1, n_caps, -1) / (~pad).sum(-1).clamp(min=1)[:, None, None]
     z = None
+    # Batched matmuls over sentences (g) or capsules (k), never einsum: ONNX Runtime's Einsum takes
+    # several times as long on these small shapes, and the exported encoder runs this code.
     for t in range(iters):
         if t > 0:
-            logits = (torch.einsum("gkd,gsd->gks", z, h).float() * scale).masked_fill(pad[:, None, :], float("-inf"))
-            c = torch.softmax(logits, -1)
-            pooled = torch.einsum("gks,gsd->gkd", c.to(h.dtype), h)
-        u = squash(torch.einsum("gkd,kdc->gkc", pooled, w))
+            logits = ((z @ h.transpose(1, 2)).float() * scale).masked_fill(pad[:, None, :], float("-inf"))
+            c = torch.softmax(logits, -1)  # (G, K, S)
+            pooled = c.to(h.dtype) @ h  # (G, K, D)
+        u = squash((pooled.transpose(0, 1) @ w).transpose(0, 1))  # per capsule: (K, G, D) @ (K, D, d_c)
         if t < iters - 1:
-            step = torch.einsum("gkc,kdc->gkd", u.detach() if detach else u, w)
+            step = ((u.detach() if detach else u).transpose(0, 1) @ w.transpose(1, 2)).transpose(0, 1)
             z = step if z is None else z + step
     return (u, c) if coupling else u
 

@@ -68,8 +68,8 @@ class GlobalState(nn.Module):
         if self.cfg.pooling == "mean":
             return self.pool_out(u.mean(1))
         query = self.pool_query(u.mean(1))
-        a = torch.softmax(torch.einsum("bkc,bc->bk", u, query), -1)
-        return self.pool_out(torch.einsum("bk,bkc->bc", a, u))
+        a = torch.softmax((u @ query[:, :, None])[:, :, 0], -1)  # (B, K): matmuls, not einsum (kernels.routing)
+        return self.pool_out((a[:, None] @ u)[:, 0])
 
     def routed_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """The encoder layers that are routed (all of them with `aggregate`, else the last only)."""
