@@ -16,6 +16,7 @@ from export.__main__ import main as export_main
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
+from export.quantize import batched_weight_matmuls
 from export.spec import decoder_spec, encoder_spec
 from server.engine.topk import row_topk
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
@@ -38,11 +39,11 @@ def spm_bytes():
     return train_sentencepiece([e.source for e in examples] + [e.target for e in examples], 100)
 
 
-def export_tiny(name: str, directory, spm: bytes, **export_options) -> tuple[Seq2Seq, OnnxModel]:
+def export_tiny(name: str, directory, spm: bytes, *export_args: str) -> tuple[Seq2Seq, OnnxModel]:
     torch.manual_seed(0)
     model = perturb(Seq2Seq(tiny_config(name)))  # moves zero-initialised weights, as test_model does
     save_checkpoint(directory / "checkpoint", model, Checkpoint(model.cfg, DataConfig()), spm)
-    export_main(["--checkpoint", str(directory / "checkpoint"), "--out", str(directory / "repo"), *export_options])
+    export_main(["--checkpoint", str(directory / "checkpoint"), "--out", str(directory / "repo"), *export_args])
     return model, OnnxModel(directory / "repo")
 
 
@@ -146,6 +147,24 @@ def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path,
         expected = row_topk()(log_probs, top_k)
         assert torch.equal(values, expected[0]) and torch.equal(tokens, expected[1])
         assert torch.equal(log_probs.gather(1, tokens), values)
+
+
+def test_int8_keeps_the_per_capsule_matmuls_fp32_and_the_gret_graphs_run(tmp_path, spm_bytes):
+    """ONNX Runtime's int8 MatMul takes one weight matrix; capsule routing multiplies by one matrix
+    per capsule (a 3-D weight). Those matmuls stay fp32, the rest is quantized, and the int8 GRET
+    graphs give an s^M and log-probabilities close to fp32's (within 10% of their norm: int8's error)."""
+    model, fp32 = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
+    int8 = OnnxModel(tmp_path / "repo", precision="int8")
+    encoder = onnx.load(str(tmp_path / "repo" / "encoder.int8.onnx"))
+    assert batched_weight_matmuls(encoder)  # present, and left as fp32 MatMul
+    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in encoder.graph.node)
+    src, tags = random_batch(model.cfg, [6, 4])
+    enc, enc8 = fp32.encode(src, tags), int8.encode(src, tags)
+    tokens = torch.full((2,), model.cfg.bos_id)
+    log_probs, _ = fp32.decode_step(tokens, 0, enc, None)
+    log_probs8, _ = int8.decode_step(tokens, 0, enc8, None)
+    for got, expected in ((enc8.global_state, enc.global_state), (log_probs8, log_probs)):
+        assert (got - expected).norm() < 0.1 * expected.norm()
 
 
 def test_first_step_has_an_empty_past_and_the_past_axis_is_dynamic(tmp_path, spm_bytes):
