@@ -116,7 +116,8 @@ class OnnxModel:
              past_pad: torch.Tensor, enc: EncoderState, cache: list) -> tuple[torch.Tensor, list]:
         """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step.
         Returns log-probabilities (R, V) and this step's keys and values in one
-        tensor (2 x layers, R, H, 1, d_h): layer i's keys at 2i, its values at 2i + 1."""
+        tensor (2 x layers, R, H, 1, d_h): layer i's keys at 2i, its values at 2i + 1. (The graph
+        always picks a top-k; here of 1, and dropped: training.seq2seq.search selects its own.)"""
         log_probs, new, _ = self.step_top(tokens, positions, row_sentence, past_pad, enc, cache, 1)
         return log_probs, new
 
