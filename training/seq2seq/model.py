@@ -191,7 +191,9 @@ class Seq2Seq(nn.Module):
             x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, past_pad, kernels)
             new.append(kv)
         rows = EncoderState([], enc.src_pad, per_row(enc.global_state), per_row(enc.gate_source))
-        return torch.log_softmax(self.output(x[:, None], rows, 1, kernels)[:, 0].float(), -1), new
+        # squeeze, not [:, 0]: exported, indexing is a Gather that copies the (R, V) logits
+        logits = self.output(x[:, None], rows, 1, kernels).squeeze(1)
+        return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1), new
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None,
                     beam: int = 1, row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
