@@ -12,6 +12,7 @@
 #   bash training/runs.sh gret-j & bash training/runs.sh gret-k   # the gate with bag-of-words 0.2; a second control seed
 #   bash training/runs.sh gret-l & bash training/runs.sh gret-m   # twice the budget: bag-of-words 0.2 and its control
 #   bash training/runs.sh gret-n & bash training/runs.sh gret-o   # dropout 0.3: a control and bag-of-words 0.2
+#   bash training/runs.sh gret-p & bash training/runs.sh gret-q   # the same two at twice the steps
 #
 # Budget rule (the multi-view paper's continued-learning check): a vanilla baseline is trained
 # from scratch; each warm-started variant continues it for EXTRA steps with one schedule, and a
@@ -185,6 +186,24 @@ gret_o() {
     --mvpe --pos-tags $SCALED_UNGATED --global-bow 0.2
 }
 
+# neither reached its best at 2650 steps (validation still rising at dropout 0.3): twice the steps, continuing
+# each 2650-step run in a copy (the learning rate does not depend on the step budget and a run resumes exactly,
+# so this is the 5300-step run from scratch, plus one extra evaluation at step 2650)
+extend() {  # extend FROM TO: TO starts as a copy of the finished run FROM
+  [ -d "runs/$2" ] || cp -r "runs/$1" "runs/$2"
+}
+gret_p() {
+  gret_n
+  extend deen-scratch-control-drop3 deen-scratch-control-drop3-5300
+  run deen-scratch-control-drop3-5300 $((2 * (DEEN_BASE + EXTRA))) --batch-tokens 3000 --dropout 0.3 --eval-every 500
+}
+gret_q() {
+  gret_o
+  extend deen-gret-bow2-mvpe-pos-drop3 deen-gret-bow2-mvpe-pos-drop3-5300
+  run deen-gret-bow2-mvpe-pos-drop3-5300 $((2 * (DEEN_BASE + EXTRA))) --batch-tokens 3000 --dropout 0.3 \
+    --eval-every 500 --mvpe --pos-tags $SCALED_UNGATED --global-bow 0.2
+}
+
 case "${1:-}" in
   study) study ;;
   ship) ship ;;
@@ -204,5 +223,7 @@ case "${1:-}" in
   gret-m) gret_m ;;
   gret-n) gret_n ;;
   gret-o) gret_o ;;
-  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e|gret-f|gret-g|gret-h|gret-i|gret-j|gret-k|gret-l|gret-m|gret-n|gret-o" >&2; exit 2 ;;
+  gret-p) gret_p ;;
+  gret-q) gret_q ;;
+  *) echo "usage: $0 study|ship|giga-vocab|gret-a|gret-b|gret-c|gret-d|gret-e|gret-f|gret-g|gret-h|gret-i|gret-j|gret-k|gret-l|gret-m|gret-n|gret-o|gret-p|gret-q" >&2; exit 2 ;;
 esac
