@@ -191,7 +191,7 @@ class Seq2Seq(nn.Module):
             x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, past_pad, kernels)
             new.append(kv)
         rows = EncoderState([], enc.src_pad, per_row(enc.global_state), per_row(enc.gate_source))
-        # squeeze, not [:, 0]: exported, indexing is a Gather that copies the (R, V) logits
+        # squeeze, not [:, 0], and no .float() on float32: exported, each copies the (R, V) logits (Gather, Cast)
         logits = self.output(x[:, None], rows, 1, kernels).squeeze(1)
         return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1), new
 
