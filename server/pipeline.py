@@ -6,6 +6,7 @@ turns finished sequences back into text. It is used by the gRPC service and, dri
 on the calling thread, by offline decoding (build verification, the engine benchmark)."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -124,12 +125,7 @@ class Pipeline:
         split = not self.summarize if split is None else split
         leads = self.summarize and truncate is None
         truncate = split or self.summarize if truncate is None else truncate
-        read: dict[str, Source] = {}  # segment -> Source: a segment is read once, to see if it fits and to decode it
-
-        def reading(part: str) -> Source:
-            if part not in read:
-                read[part] = self._source(part)
-            return read[part]
+        reading = functools.cache(self._source)  # this call only: a segment is read once, to fit and to decode
 
         def fits(part: str) -> bool:
             return not self._cut(reading(part))
