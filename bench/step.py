@@ -95,10 +95,9 @@ def step_case(model: OnnxModel, rows: int):
     tokens = torch.randint(4, cfg.vocab_size, (rows,), generator=g)
     positions = torch.randint(0, WIDTH, (rows,), generator=g)
     row_sentence = torch.arange(rows) // BEAM
-    past_pad = torch.arange(WIDTH)[None] >= positions[:, None]
     shape = (rows, cfg.n_heads, WIDTH, cfg.d_model // cfg.n_heads)
     cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.dec_layers)]
-    return lambda: model.step(tokens, positions, row_sentence, past_pad, enc, cache)
+    return lambda: model.step(tokens, positions, row_sentence, enc, cache)
 
 
 def graph_part(args, spm: bytes, build: Path) -> dict:

@@ -9,14 +9,14 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
   encoder.onnx  src_ids (batch, src_len) int64 [, src_tags (batch, src_len) int64 for POS models]
              -> src_pad (batch, src_len) bool [, global_state, gate_source (batch, D) for GRET],
                 cross_key.i / cross_value.i (batch, H, src_len, d_h) per decoder layer i
-  decoder.onnx  tokens (R,) int64, positions (R,) int64, row_sentence (R,) int64,
-                past_pad (R, past_len) bool (True = a cache column that is not this row's: a row
-                may keep its keys in any columns), the encoder's outputs,
-                past_key.i / past_value.i (R, H, past_len, d_h), past_len >= 0, top_k (1,) int64
-             -> log_probs (R, V) float32, new_key.i / new_value.i (R, H, 1, d_h): only this step's
-                column, so the caller keeps the cache where it likes (server/engine/batch.py
-                writes it in place; decode_step appends it), top_log_probs / top_tokens
-                (R, top_k): each row's best, for the beam search
+  decoder.onnx  tokens (R,) int64, positions (R,) int64 (the keys each row holds: its columns
+                0..positions[r] - 1 of the cache), row_sentence (R,) int64, the encoder's outputs,
+                past_key.i / past_value.i (R, H, past_len, d_h), past_len > max(positions),
+                top_k (1,) int64
+             -> log_probs (R, V) float32, present_key.i / present_value.i (R, H, past_len, d_h): the
+                past with this step's column written at positions[r] (ONNX Runtime's
+                GroupQueryAttention; bound to the past's own memory, the cache is updated in place),
+                top_log_probs / top_tokens (R, top_k): each row's best, for the beam search
 
 Modules: spec.py (what the graphs hold), graphs.py (the modules that are traced: the encoder pass
 and the model's own decoder step, Seq2Seq.step_rows),

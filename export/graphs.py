@@ -39,10 +39,10 @@ class EncoderGraph(nn.Module):
 
 class DecoderGraph(nn.Module):
     """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
-    past_pad, the per-sentence tensors, past K/V per layer, top_k), positionally in spec order ->
-    log_probs (R, V), this step's K/V per layer (R, H, 1, d_h), each row's top_k best
-    log-probabilities and tokens (R, top_k): Seq2Seq.step_rows, the model's own step, in plain
-    torch ops (kernels=False) so that tracing follows it, then ONNX's TopK."""
+    the per-sentence tensors, past K/V per layer, top_k), positionally in spec order ->
+    log_probs (R, V), the past K/V per layer with this step's column written (present, (R, H, T, d_h)),
+    each row's top_k best log-probabilities and tokens (R, top_k): Seq2Seq.step_rows, the model's
+    own step, in plain torch ops (kernels=False) so that tracing follows it, then ONNX's TopK."""
 
     def __init__(self, model: Seq2Seq):
         super().__init__()
@@ -54,9 +54,9 @@ class DecoderGraph(nn.Module):
         named = dict(zip(self.input_names, inputs))
         enc = unflatten_state(m.cfg, [named[t.name] for t in encoder_spec(m.cfg).outputs])
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
-        log_probs, new = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
-                                     named["group_rows"], named["row_slot"], named["past_pad"], enc, past)
-        return (log_probs, *(t for kv in new for t in kv), *log_probs.topk(named["top_k"], -1))
+        log_probs, present = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
+                                         named["group_rows"], named["row_slot"], enc, past)
+        return (log_probs, *(t for kv in present for t in kv), *log_probs.topk(named["top_k"], -1))
 
 
 def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,14 +70,13 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
     return [mv.norms[i](g + views[-1]) for i, g in enumerate(views_i)] if mv.soft else views_i
 
 
-def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, past_pad: torch.Tensor,
-                   enc: EncoderState, cache: list, top_k: int) -> dict[str, torch.Tensor]:
+def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
+                   cache: list, top_k: int) -> dict[str, torch.Tensor]:
     """The decoder step's inputs by name (a superset of any one model's spec). A row whose
     row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
     row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
     inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence.clamp(min=0),
-              "row_slot": row_slot, "group_rows": group_rows, "past_pad": past_pad,
-              "top_k": torch.tensor([top_k])}
+              "row_slot": row_slot, "group_rows": group_rows, "top_k": torch.tensor([top_k])}
     inputs |= dict(zip(state_names(enc), flatten_state(enc)))
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))

@@ -20,7 +20,7 @@ from training.seq2seq.model import EncoderState, grown_step
 
 from .graphs import decoder_inputs, unflatten_state
 from .manifest import read_manifest
-from .spec import GraphSpec, decoder_spec, encoder_spec, new_names
+from .spec import GraphSpec, decoder_spec, encoder_spec, present_names
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -112,28 +112,30 @@ class OnnxModel:
         """As Seq2Seq.decode_step (training.seq2seq.model.grown_step over this backend's step)."""
         return grown_step(self, tokens, step, enc, cache, beam, row_sentence)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
-             past_pad: torch.Tensor, enc: EncoderState, cache: list) -> tuple[torch.Tensor, list]:
-        """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step.
-        Returns log-probabilities (R, V) and this step's keys and values in one
-        tensor (2 x layers, R, H, 1, d_h): layer i's keys at 2i, its values at 2i + 1. (The graph
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
+             cache: list) -> torch.Tensor:
+        """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step:
+        log-probabilities (R, V); this step's K/V are written into `cache` in place. (The graph
         always picks a top-k; here of 1, and dropped: training.seq2seq.search selects its own.)"""
-        log_probs, new, _ = self.step_top(tokens, positions, row_sentence, past_pad, enc, cache, 1)
-        return log_probs, new
+        return self.step_top(tokens, positions, row_sentence, enc, cache, 1)[0]
 
-    def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
-                 past_pad: torch.Tensor, enc: EncoderState, cache: list, top_k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
+                 cache: list, top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """step(), plus each row's top_k best log-probabilities and tokens (R, top_k), best first,
-        chosen inside the graph: the beam search's candidates without a second pass over log_probs."""
-        rows = tokens.shape[0]
-        inputs = decoder_inputs(tokens, positions, row_sentence, past_pad, enc, cache, top_k)
-        sizes = {"rows": rows, "k": top_k}
+        chosen inside the graph: the beam search's candidates without a second pass over log_probs.
+        The graph's present K/V are bound to the cache's own memory, which its attention then
+        updates in place (GroupQueryAttention with a shared buffer): the cache must be contiguous
+        float32 on this backend's device, or the step's column would land in a copy."""
+        for t in (t for kv in cache for t in kv):
+            if not t.is_contiguous() or t.dtype != torch.float32 or t.device != self.device:
+                raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
+                                 f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+        inputs = decoder_inputs(tokens, positions, row_sentence, enc, cache, top_k)
+        sizes = {"rows": tokens.shape[0], "k": top_k}
         shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
-        new = torch.empty(2 * self.cfg.dec_layers, rows, self.n_heads, 1, self.d_head, device=self.device)
-        names = [n for i in range(self.cfg.dec_layers) for n in new_names(i)]
-        outputs = self.decoder.run(inputs, shapes, out=dict(zip(names, new)))
-        return outputs["log_probs"], new, (outputs["top_log_probs"], outputs["top_tokens"])
+        present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
+        outputs = self.decoder.run(inputs, shapes, out=present)
+        return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
 
     @staticmethod
     def reorder(cache: list, rows: torch.Tensor) -> list:

@@ -61,8 +61,9 @@ def past_names(layer: int) -> tuple[str, str]:
     return f"past_key.{layer}", f"past_value.{layer}"
 
 
-def new_names(layer: int) -> tuple[str, str]:
-    return f"new_key.{layer}", f"new_value.{layer}"
+def present_names(layer: int) -> tuple[str, str]:
+    """The past K/V with this step's column written: the runtime binds them to the past's memory."""
+    return f"present_key.{layer}", f"present_value.{layer}"
 
 
 def _per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
@@ -95,13 +96,12 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     if cfg.gret:  # only GRET's per-sentence s^M and Gs are gathered per row
         inputs.append(TensorSpec("row_sentence", "int64", ("rows",)))
     inputs += [TensorSpec("row_slot", "int64", ("rows",)),
-              TensorSpec("group_rows", "int64", ("batch", "group_width")),
-              TensorSpec("past_pad", "bool", ("rows", "past_len"))]
+              TensorSpec("group_rows", "int64", ("batch", "group_width"))]
     inputs += _per_sentence(cfg)
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
-        outputs += [TensorSpec(n, "float32", ("rows", heads, 1, d_head)) for n in new_names(i)]
+        outputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in present_names(i)]
     # Each row's top_k best tokens, best first (ONNX TopK: of equal values the lower token first):
     # the beam search's candidates, chosen inside the step rather than by a second call over log_probs.
     inputs.append(TensorSpec("top_k", "int64", (1,)))

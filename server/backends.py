@@ -2,10 +2,10 @@
 
     cfg                                   the ModelConfig
     encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
-    step_top(tokens, positions, row_sentence, past_pad, enc, cache, top_k)
-                                          -> log-probabilities (R, V), this step's keys and values
-                                             (2 x layers, R, H, 1, d_h): layer i's K at 2i, V at 2i+1,
-                                             each row's top_k best (log-probabilities, tokens) (R, top_k)
+    step_top(tokens, positions, row_sentence, enc, cache, top_k)
+                                          -> log-probabilities (R, V), each row's top_k best
+                                             (log-probabilities, tokens) (R, top_k); this step's keys
+                                             and values are written into the cache in place
 
 ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
 modules, eager; on CUDA the Triton kernels through kernels.dispatch). Their step is the same
@@ -40,9 +40,9 @@ class TorchBackend:
         return self.model.encode(src, src_tags)
 
     @torch.no_grad()
-    def step_top(self, tokens, positions, row_sentence, past_pad, enc: EncoderState, cache, top_k: int) -> tuple:
-        log_probs, new = self.model.step(tokens, positions, row_sentence, past_pad, enc, cache)
-        return log_probs, new, row_topk()(log_probs.float(), top_k)
+    def step_top(self, tokens, positions, row_sentence, enc: EncoderState, cache, top_k: int) -> tuple:
+        log_probs = self.model.step(tokens, positions, row_sentence, enc, cache)
+        return log_probs, row_topk()(log_probs.float(), top_k)
 
 
 class OnnxBackend(OnnxModel):

@@ -99,10 +99,11 @@ def test_rows_may_mix_beam_sizes_without_tiling_the_encoder_output(tmp_path, spm
             torch.testing.assert_close(log_probs[mine], ref_log_probs, **TOLERANCE)
 
 
-def test_a_sentence_may_join_the_batch_later_with_a_left_padded_cache(tmp_path, spm_bytes):
-    """Continuous batching: sentence 1 joins at step 2 next to sentence 0. Its cache is padded on
-    the left and masked by past_pad, its rows carry their own positions, and each sentence's
-    log-probabilities are those of decoding it alone."""
+def test_a_sentence_may_join_the_batch_later_and_each_row_reads_only_its_own_columns(tmp_path, spm_bytes):
+    """Continuous batching: sentence 1 joins at step 2 next to sentence 0, in a cache as wide as
+    sentence 0 needs and filled with junk. Each row carries its own position, the step writes its
+    K/V in place at that column, and each sentence's log-probabilities are those of decoding it
+    alone: a row reads its own columns and never the junk past them."""
     model, onnx_model = export_tiny("gret_full", tmp_path, spm_bytes)
     src, _ = random_batch(model.cfg, [6, 4])
     enc = onnx_model.encode(src)
@@ -110,24 +111,32 @@ def test_a_sentence_may_join_the_batch_later_with_a_left_padded_cache(tmp_path, 
     tokens = torch.randint(4, model.cfg.vocab_size, (4,), generator=g)
     alone = [model.encode(src[i: i + 1]) for i in range(2)]
     ref_cache = [None, None]
-    cache = None
-    for step in range(4):  # sentence 0 is at position `step`, sentence 1 at `step - 2`
-        joined = step >= 2
-        rows = torch.tensor([0, 1]) if joined else torch.tensor([0])
-        positions = torch.tensor([step, step - 2]) if joined else torch.tensor([step])
-        if cache is None:
-            empty = torch.empty(1, model.cfg.n_heads, 0, model.cfg.d_model // model.cfg.n_heads)
-            cache, past_pad = [(empty, empty)] * model.cfg.dec_layers, torch.zeros(1, 0, dtype=torch.bool)
-        if step == 2:  # sentence 1 arrives: an all-padding cache row, zeros for its keys/values
-            cache = [(torch.cat([k, torch.zeros_like(k)]), torch.cat([v, torch.zeros_like(v)])) for k, v in cache]
-            past_pad = torch.cat([past_pad, torch.ones_like(past_pad)])
-        log_probs, new = onnx_model.step(tokens[rows], positions, rows, past_pad, enc, cache)
-        cache = [(torch.cat([k, new[2 * i]], 2), torch.cat([v, new[2 * i + 1]], 2)) for i, (k, v) in enumerate(cache)]
-        past_pad = torch.cat([past_pad, torch.zeros(len(rows), 1, dtype=torch.bool)], 1)
+    shape = (2, model.cfg.n_heads, 6, model.cfg.d_model // model.cfg.n_heads)  # columns to spare
+    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
+    for step in range(4):  # sentence 0 is at position `step`, sentence 1 at `step - 2` from step 2 on
+        rows = torch.tensor([0, 1]) if step >= 2 else torch.tensor([0])
+        positions = torch.tensor([step, step - 2])[: len(rows)]
+        log_probs, _ = onnx_model.step_top(tokens[rows], positions, rows, enc,
+                                           [(k[: len(rows)], v[: len(rows)]) for k, v in cache], 1)
         for row, sentence in enumerate(rows.tolist()):
             ref, ref_cache[sentence] = model.decode_step(tokens[sentence: sentence + 1], int(positions[row]),
                                                          alone[sentence], ref_cache[sentence])
             torch.testing.assert_close(log_probs[row: row + 1], ref, **TOLERANCE)
+            for (k, v), (ref_k, ref_v) in zip(cache, ref_cache[sentence]):  # its columns, written in place
+                torch.testing.assert_close(k[row, :, : positions[row] + 1], ref_k[0], **TOLERANCE)
+                torch.testing.assert_close(v[row, :, : positions[row] + 1], ref_v[0], **TOLERANCE)
+
+
+def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_bytes):
+    """The step writes its K/V into the memory it was given: a strided view would be copied on the
+    way in and the step's column lost with the copy, so it is refused, naming the reason."""
+    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
+    src, _ = random_batch(model.cfg, [5])
+    wide = torch.zeros(2, model.cfg.n_heads, 8, model.cfg.d_model // model.cfg.n_heads)
+    cache = [(wide[:, :, :4], wide[:, :, :4])] * model.cfg.dec_layers  # narrowed: not contiguous
+    with pytest.raises(ValueError, match="contiguous float32"):
+        zeros = torch.zeros(2, dtype=torch.long)
+        onnx_model.step(torch.full((2,), model.cfg.bos_id), zeros, zeros, onnx_model.encode(src), cache)
 
 
 def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path, spm_bytes):
@@ -138,11 +147,11 @@ def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path,
     src, _ = random_batch(model.cfg, [5, 3])
     enc = onnx_model.encode(src)
     rows = torch.tensor([0, 0, 1])
-    empty = torch.empty(3, model.cfg.n_heads, 0, model.cfg.d_model // model.cfg.n_heads)
+    column = torch.zeros(3, model.cfg.n_heads, 1, model.cfg.d_model // model.cfg.n_heads)
     for top_k in (1, 8, model.cfg.vocab_size):
-        log_probs, _, (values, tokens) = onnx_model.step_top(
-            torch.tensor([model.cfg.bos_id, 7, model.cfg.bos_id]), torch.tensor([0, 0, 0]), rows,
-            torch.zeros(3, 0, dtype=torch.bool), enc, [(empty, empty)] * model.cfg.dec_layers, top_k)
+        log_probs, (values, tokens) = onnx_model.step_top(
+            torch.tensor([model.cfg.bos_id, 7, model.cfg.bos_id]), torch.tensor([0, 0, 0]), rows, enc,
+            [(column.clone(), column.clone()) for _ in range(model.cfg.dec_layers)], top_k)
         assert values.shape == tokens.shape == (3, top_k)
         expected = row_topk()(log_probs, top_k)
         assert torch.equal(values, expected[0]) and torch.equal(tokens, expected[1])

@@ -706,8 +706,8 @@ def engine_held_behind_one_call(served_models, offset: int):
     log = engine.observer = StepLog(engine.observer)
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+        log.hold = 1  # before the call: it may finish before this thread runs again
         running = stub.Translate.future(to_german(german(1, offset=offset), beam=1, **SHORT), timeout=120)
-        log.hold = 1
         assert log.held.wait(60)
         yield server, stub, log, running
     finally:

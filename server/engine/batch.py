@@ -11,17 +11,18 @@ Search state, in row order (rows of a sequence are contiguous; sequences in admi
             counted) and finished hypotheses so far
 The self-attention cache lives in slots that do not move when sequences join or leave:
   kv        (2 x layers, slots, H, width, d_h): layer i's keys at 2i, its values at 2i + 1; row r
-            keeps its t-th key in column t of slot `slot[r]`; columns >= positions[r] are masked
-A joining sequence takes free slots (nothing is copied); a leaving one frees its slots. After a
-step the first surviving child of a beam keeps its parent's slot and gets the step's key written
-in place; only a second child of the same parent copies the parent's slot. The decoder step runs
-over slots 0..n-1 (the highest in use); empty slots among them are computed and ignored, and
-are refilled first, or closed up by moving the top rows down once they are many. The storage
-grows (slots, and columns in steps of COLUMNS) as needed, gives columns back when the longest
-row leaves, and is kept when the batch empties. A resize lays the cache out anew in a second,
-spare storage and swaps the two: fresh memory costs a page fault per page, several times the copy.
-Both storages hold only finite numbers (a masked column's weight is 0, and 0 x NaN is NaN), so
-columns a row has not written need no zeroing: past_pad hides them whatever they hold.
+            keeps its t-th key in column t of slot `slot[r]`, positions[r] of them
+A joining sequence takes free slots (nothing is copied); a leaving one frees its slots. The
+decoder step writes each slot's new key and value in place, at its position, and reads only the
+columns up to it (Seq2Seq.step), so a step costs what the rows hold whatever the width. The first
+surviving child of a beam keeps its parent's slot; only a second child of the same parent copies
+the parent's slot. The step runs over slots 0..n-1 (the highest in use); empty slots among them
+are computed and ignored, and are refilled first, or closed up by moving the top rows down once
+they are many. The storage grows (slots, and columns in steps of COLUMNS) as needed and is kept
+when the batch empties: since width costs a step nothing, it is never narrowed again. A resize
+lays the cache out anew in a second, spare storage and swaps the two: fresh memory costs a page
+fault per page, several times the copy. Both storages hold only finite numbers (the PyTorch
+step masks the columns past a row's position, and 0 x NaN is NaN).
 
 The search rule is training.seq2seq.beam's, as in training.seq2seq.search.beam_search: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
@@ -33,7 +34,7 @@ sequence has one row (BOS), not `beam` copies.
 
 A step is two calls, timed apart by the engine: search() decides (candidates from the top-k that
 the backend's step picked, finished hypotheses), advance() moves the rows into their next state
-(history, the self-attention cache, the encoder slots of sequences that ended).
+(history, the forked beams' cache slots, the encoder slots of sequences that ended).
 """
 from __future__ import annotations
 
@@ -111,18 +112,19 @@ class Batch:
 
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:
-        """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, past_pad, enc,
-        cache, top_k); an empty slot has row_sentence -1 and no column of its own. A row's sentence
-        is its sequence's encoder slot; top_k is the candidates a row needs: twice the widest beam."""
+        """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, enc, cache,
+        top_k); an empty slot has row_sentence -1 and position 0. A row's sentence is its
+        sequence's encoder slot; top_k is the candidates a row needs: twice the widest beam. The
+        cache has a column free at every row's position, where the step writes."""
+        self._reserve(int(self.positions.max()) + 1, 0)
         n = int(self.slot.max()) + 1
         tokens = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.tokens)
         positions = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
         row_sentence = torch.full((n,), -1, dtype=torch.long).index_copy_(0, self.slot,
                                                                          self.enc_slot.index_select(0, self.row_seq))
-        past_pad = torch.arange(self.width)[None] >= positions[:, None]
         cache = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
         top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
-        return tokens, positions, row_sentence, past_pad, self.sources.state(), cache, top_k
+        return tokens, positions, row_sentence, self.sources.state(), cache, top_k
 
     @property
     def width(self) -> int:
@@ -155,11 +157,11 @@ class Batch:
         return Choice(cand.rows[alive][kept], cand.tokens[alive][kept], cand.scores[alive][kept], kept.sum(1), alive,
                       ended)
 
-    def advance(self, choice: Choice, new_kv: torch.Tensor) -> list[Sequence]:
-        """Apply search()'s choice and the step's keys/values (2 x layers, slots, H, 1, d_h); returns
-        the sequences that finished (already removed from the batch; their on_done is the caller's
-        to trigger)."""
-        self._reorder(*choice, new_kv)
+    def advance(self, choice: Choice) -> list[Sequence]:
+        """Apply search()'s choice after the step (which wrote its keys/values into the cache);
+        returns the sequences that finished (already removed from the batch; their on_done is the
+        caller's to trigger)."""
+        self._reorder(*choice, stepped=True)
         return choice.ended
 
     def remove(self, dropped: set[int]) -> None:
@@ -171,7 +173,7 @@ class Batch:
             seq.step = steps
         rows = keep.index_select(0, self.row_seq).nonzero()[:, 0]
         self._reorder(rows, self.tokens[rows], self.scores[rows], self.counts[keep], keep.nonzero()[:, 0], leaving,
-                      None)
+                      stepped=False)
 
     # ---- internals -------------------------------------------------------------------------
     def _finish_hypotheses(self, cand, finishing: torch.Tensor) -> None:
@@ -206,14 +208,14 @@ class Batch:
         return log_probs
 
     def _reorder(self, rows: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor,
-                 alive: torch.Tensor, leaving: list[Sequence], new_kv: torch.Tensor | None) -> None:
+                 alive: torch.Tensor, leaving: list[Sequence], stepped: bool) -> None:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
-        are gone; with new_kv (after a step) each row is its parent's child, one token longer."""
+        are gone; after a step each row is its parent's child, one token longer."""
         parents = self.slot.index_select(0, rows)
         positions = self.positions.index_select(0, rows)
         history = self.history.index_select(0, rows)
-        if new_kv is not None:
-            self.slot = self._place_children(parents, positions, new_kv)
+        if stepped:
+            self.slot = self._place_children(parents, positions)
             history = fit_columns(history, int(positions.max()) + 1 if len(rows) else 0)
             history[torch.arange(len(rows)), positions] = tokens
             positions = positions + 1
@@ -233,23 +235,13 @@ class Batch:
             moved = self.sources.compact()
             if moved is not None:
                 self.enc_slot = moved.index_select(0, self.enc_slot)
-        if not len(alive):  # the storage stays for the next sequences
-            return
-        self._close_up()
-        self._fit_width()
+        if len(alive):  # else the storage stays as it is for the next sequences
+            self._close_up()
 
-    def _place_children(self, parents: torch.Tensor, positions: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
-        """Slots for children of slots `parents` (their parents' positions `positions`): every
-        slot's step key/value is written in place at its position (an empty or dropped slot's
-        lands in a column nobody reads); a parent's first child keeps the slot, the others get
-        a copy in a free slot."""
-        planes, n = new_kv.shape[0], new_kv.shape[1]
-        at = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
-        self._reserve(int(at.max()) + 1, 0)
-        # (plane p, slot s, head h, column c) is row ((p * slots + s) * H + h) * width + c of kv as (-1, d_h)
-        rows = (torch.arange(planes)[:, None, None] * self.capacity + torch.arange(n)[:, None]) * self.n_heads
-        rows = (rows + torch.arange(self.n_heads)) * self.width + at[:, None]
-        self.kv.view(-1, self.d_head).index_copy_(0, rows.flatten(), new_kv.reshape(-1, self.d_head))
+    def _place_children(self, parents: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots for children of slots `parents` (their parents' positions `positions`), whose
+        step keys/values the step wrote in place: a parent's first child keeps the slot, the
+        others get a copy in a free slot."""
         first = torch.ones(len(parents), dtype=torch.bool)
         if len(parents):
             order = torch.sort(parents, stable=True).indices
@@ -286,12 +278,6 @@ class Batch:
             return
         new_slots = max(slots, 2 * old_slots, 8) if slots > old_slots else old_slots
         self._resize(new_slots, whole_steps(max(columns, old_width, 1)))
-
-    def _fit_width(self) -> None:
-        """Give columns back once the longest row leaves many unused: attention reads them all."""
-        needed = whole_steps(int(self.positions.max()) + 1)
-        if needed + COLUMNS <= self.width:  # not at the first column spare: rows grow back into it
-            self._resize(self.capacity, needed)
 
     def _resize(self, slots: int, width: int) -> None:
         """The cache laid out anew in the spare storage, with the slots in use (up to the highest in

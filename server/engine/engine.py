@@ -32,7 +32,7 @@ from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
 log = logging.getLogger("server.engine")
 
 # Where an engine loop's time goes: encoder passes, decoder steps (the backend), the search between
-# them, and moving the rows into their next step's state (self-attention cache, encoder state).
+# them, and moving the rows into their next step's state (forked beams' cache slots, encoder state).
 PHASES = ("encode", "decoder", "search", "cache")
 TOP_K_PHASE = "decoder"  # each row's top-k candidates are the backend's step's (benchmarks record it)
 
@@ -209,11 +209,11 @@ class Engine:
     def _step(self) -> None:
         start = time.monotonic()
         rows = self.batch.rows
-        log_probs, new_kv, top = self.backend.step_top(*self.batch.step_inputs())
+        log_probs, top = self.backend.step_top(*self.batch.step_inputs())
         stepped = time.monotonic()
         choice = self.batch.search(log_probs, top)
         searched = time.monotonic()
-        finished = self.batch.advance(choice, new_kv)
+        finished = self.batch.advance(choice)
         end = time.monotonic()
         self.steps += 1
         self.seconds["decoder"] += stepped - start

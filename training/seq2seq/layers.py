@@ -10,6 +10,39 @@ from kernels.cross_attention import grouped_attention_reference, grouped_cross_a
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (B, H, S, d_h)
 
 
+class CachedSelfAttention(torch.autograd.Function):
+    """One position per row attending to its own cache, the cache written in place (step_self).
+
+    Eager: the K/V scatter into column lengths[r], then attention masked past that column. Exported:
+    ONNX Runtime's GroupQueryAttention (com.microsoft; K/V heads = query heads), which does the same
+    when its past and present K/V are one buffer (export.onnx_runtime binds them so) and reads only
+    each row's own columns: a step's attention costs what the rows hold, not the cache's width."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, lengths, n_heads: int):
+        rows, d_head = torch.arange(q.shape[0], device=q.device), q.shape[1] // n_heads
+        past_k[rows, :, lengths] = k.view(-1, n_heads, d_head)
+        past_v[rows, :, lengths] = v.view(-1, n_heads, d_head)
+        columns = int(lengths.max()) + 1 if len(lengths) else 0  # the longest row's: the rest no row reads
+        keys, values = past_k[:, :, :columns], past_v[:, :, :columns]
+        q = q.view(-1, n_heads, 1, d_head) * d_head ** -0.5
+        later = torch.arange(columns, device=q.device) > lengths[:, None]  # (R, columns): not the row's yet
+        weights = (q @ keys.transpose(-1, -2)).masked_fill(later[:, None, None, :], float("-inf")).softmax(-1)
+        return (weights @ values).flatten(1), past_k.detach(), past_v.detach()  # the cache itself, updated
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, lengths, n_heads: int):
+        int32, axis = 6, g.op("Constant", value_t=torch.tensor([1]))  # 6: onnx.TensorProto.INT32
+        q, k, v = (g.op("Unsqueeze", t, axis) for t in (q, k, v))  # (R, 1, D): one position per row
+        total = g.op("Add", g.op("ReduceMax", lengths, keepdims_i=0), g.op("Constant", value_t=torch.tensor(1)))
+        out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v,
+                                         g.op("Cast", lengths, to_i=int32), g.op("Cast", total, to_i=int32),
+                                         num_heads_i=n_heads, kv_num_heads_i=n_heads, outputs=3)
+        for value, like in ((out, q), (present_k, past_k), (present_v, past_v)):  # shape inference has no rule for it
+            value.setType(like.type())
+        return g.op("Squeeze", out, axis), present_k, present_v
+
+
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, inner: int | None = None):
         super().__init__()
@@ -50,17 +83,16 @@ class MultiHeadAttention(nn.Module):
         """(R, H*d) -> (R, H, 1, d) for a single position: a reshape, where split() is a transpose."""
         return x.view(x.shape[0], self.n_heads, 1, self.d_head)
 
-    def step_self(self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, past_pad: torch.Tensor
+    def step_self(self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, lengths: torch.Tensor
                   ) -> tuple[torch.Tensor, KV]:
-        """Self-attention of one new position per row x (R, D) over the row's cached keys (R, H, T, d)
-        (columns where past_pad (R, T) is True are not the row's) plus itself. Returns (R, D) and
-        the new position's K/V (R, H, 1, d), never the grown cache: appending would copy it all."""
-        k, v = self.one_position(self.k(x)), self.one_position(self.v(x))
-        q = self.one_position(self.q(x)) * self.d_head ** -0.5
-        past = (q @ past_k.transpose(-1, -2)).masked_fill(past_pad[:, None, None, :], float("-inf"))  # (R, H, 1, T)
-        weights = torch.cat([past, (q * k).sum(-1, keepdim=True)], -1).softmax(-1)
-        out = weights[..., :-1] @ past_v + weights[..., -1:] * v
-        return self.o(out.flatten(1)), (k, v)
+        """Self-attention of one new position per row x (R, D) over the row's cache (R, H, T, d):
+        the new position's K/V are written into the cache in place, at column lengths[r] (the keys
+        the row holds), and the row attends to columns 0..lengths[r]. Returns (R, D) and the cache
+        (the same memory; traced, the graph's present K/V). Writing in place, never growing the
+        cache, is what lets a served step cost the same at any width."""
+        out, present_k, present_v = CachedSelfAttention.apply(self.q(x), self.k(x), self.v(x), past_k, past_v, lengths,
+                                                              self.n_heads)
+        return self.o(out), (present_k, present_v)
 
     def step_cross(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, group_rows: torch.Tensor,
                    row_slot: torch.Tensor, kernel: bool = False) -> torch.Tensor:
@@ -159,18 +191,18 @@ class DecoderLayer(nn.Module):
         return self.res_ffn(x, self.ffn)
 
     def step(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor],
-             past: KV, past_pad: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, KV]:
+             past: KV, lengths: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, KV]:
         """The inference form of forward(): one new position per row x (R, D), each row at its own
-        position with its own cache (past K/V (R, H, T, d), past_pad), rows grouped by sentence
-        (groups = (group_rows, row_slot)) for the cross-attention. Returns (R, D) and the new
-        position's K/V. Training's search, the export and the serving engine all run this."""
-        new = []
+        position lengths[r] with its own cache (past K/V (R, H, T, d), written in place: step_self),
+        rows grouped by sentence (groups = (group_rows, row_slot)) for the cross-attention. Returns
+        (R, D) and the cache. Training's search, the export and the serving engine all run this."""
+        present = []
 
         def self_attention(h):
-            out, kv = self.self_attn.step_self(h, *past, past_pad)
-            new.append(kv)
+            out, kv = self.self_attn.step_self(h, *past, lengths)
+            present.append(kv)
             return out
 
         x = self.res_self(x, self_attention)
         x = self.res_cross(x, lambda h: self.cross_attn.step_cross(h, memory, src_pad, *groups, kernel))
-        return self.res_ffn(x, self.ffn), new[0]
+        return self.res_ffn(x, self.ffn), present[0]

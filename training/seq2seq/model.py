@@ -166,34 +166,34 @@ class Seq2Seq(nn.Module):
             x = layer(x, memory, enc.src_pad)
         return self.output(x, enc, beam=1)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
-             past_pad: torch.Tensor, enc: EncoderState, cache: list[KV], kernels: bool = True
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
+             cache: list[KV], kernels: bool = True) -> torch.Tensor:
         """One decoder step for rows at their own positions: row r holds token tokens[r] at
         position positions[r], reads sentence row_sentence[r] of enc (-1: an empty row, computed
-        and read by nobody) and its cached keys (cache: per layer (R, H, T, d), past_pad (R, T)
-        True where a column is not the row's). Returns log-probabilities (R, V) and this step's
-        keys and values (2 x layers, R, H, 1, d): layer i's K at 2i, its V at 2i + 1."""
+        and read by nobody) and its own cached keys and values (cache: per layer (R, H, T, d),
+        T > positions[r]; the row's are columns 0..positions[r] - 1). This step's K/V are written
+        into the cache in place, at column positions[r]. Returns log-probabilities (R, V)."""
         row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-        log_probs, new = self.step_rows(tokens, positions, row_sentence.clamp(min=0), group_rows, row_slot, past_pad,
-                                        enc, cache, kernels)
-        return log_probs, torch.stack([t for kv in new for t in kv])
+        return self.step_rows(tokens, positions, row_sentence.clamp(min=0), group_rows, row_slot, enc, cache,
+                              kernels)[0]
 
     def step_rows(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor | None,
-                  group_rows: torch.Tensor, row_slot: torch.Tensor, past_pad: torch.Tensor, enc: EncoderState,
-                  cache: list[KV], kernels: bool = False) -> tuple[torch.Tensor, list[KV]]:
+                  group_rows: torch.Tensor, row_slot: torch.Tensor, enc: EncoderState, cache: list[KV],
+                  kernels: bool = False) -> tuple[torch.Tensor, list[KV]]:
         """step() with the row grouping given (row_groups()): the form export traces (kernels=False;
-        row_sentence may be None when no per-sentence tensor is read per row, i.e. without GRET)."""
+        row_sentence may be None when no per-sentence tensor is read per row, i.e. without GRET).
+        Also returns the cache per layer: the same memory, which tracing turns into the graph's
+        present K/V."""
         per_row = lambda t: None if t is None else t.index_select(0, row_sentence)  # noqa: E731
         x = self.embed_tokens(tokens, positions)  # (R, D)
-        new = []
+        present = []
         for layer, memory, past in zip(self.decoder, enc.memory, cache):
-            x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, past_pad, kernels)
-            new.append(kv)
+            x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, positions, kernels)
+            present.append(kv)
         rows = EncoderState([], enc.src_pad, per_row(enc.global_state), per_row(enc.gate_source))
         # squeeze, not [:, 0], and no .float() on float32: exported, each copies the (R, V) logits (Gather, Cast)
         logits = self.output(x[:, None], rows, 1, kernels).squeeze(1)
-        return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1), new
+        return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1), present
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None,
                     beam: int = 1, row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
@@ -224,14 +224,11 @@ def grown_step(model, tokens: torch.Tensor, step: int, enc: EncoderState, cache:
     rows, cfg = tokens.shape[0], model.cfg
     if row_sentence is None:
         row_sentence = torch.arange(rows, device=tokens.device) // beam
-    if cache is None:
-        empty = torch.empty(rows, cfg.n_heads, 0, cfg.d_model // cfg.n_heads, device=tokens.device)
-        cache = [(empty, empty)] * cfg.dec_layers
+    column = torch.zeros(rows, cfg.n_heads, 1, cfg.d_model // cfg.n_heads, device=tokens.device)
+    cache = cache or [(column[:, :, :0], column[:, :, :0])] * cfg.dec_layers
+    cache = [(torch.cat([k, column], 2), torch.cat([v, column], 2)) for k, v in cache]  # the step writes the last
     positions = torch.full((rows,), step, dtype=torch.long, device=tokens.device)
-    past_pad = torch.zeros(rows, cache[0][0].shape[2], dtype=torch.bool, device=tokens.device)
-    log_probs, new = model.step(tokens, positions, row_sentence, past_pad, enc, cache)
-    return log_probs, [(torch.cat([k, new[2 * i]], 2), torch.cat([v, new[2 * i + 1]], 2))
-                       for i, (k, v) in enumerate(cache)]
+    return model.step(tokens, positions, row_sentence, enc, cache), cache
 
 
 def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor]:
