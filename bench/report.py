@@ -362,7 +362,7 @@ def step_section(data: dict, results: Path, out: Path) -> str:
         provenance(data),
         (f"The decoder step alone (ONNX Runtime through the backend's binding, one thread), for R rows: beam "
          f"{s['beam']} rows per sentence, a {s['source']}-piece source, a self-attention cache {s['width']} columns "
-         f"wide; untrained models of each architecture at the `{s['preset']}` size with {s['vocab']} pieces (a step's "
+         f"wide with each row at a random position in it; untrained models of each architecture at the `{s['preset']}` size with {s['vocab']} pieces (a step's "
          f"time depends on shapes, not weights). Median of {s['reps']} steps per point; the architectures take "
          "turns at each row count. `fixed` and `per row` are the intercept and slope of a least-squares line "
          "through the points; `per row ÷ vanilla` compares an architecture's cost per row with vanilla's."),

@@ -5,7 +5,8 @@ whatever its size, and the cost of each row. Two parts, in one run:
 
   graph   the decoder step alone (export.onnx_runtime.OnnxModel.step: the ONNX graph and its
           binding, one thread) for R rows: beam 4 rows per sentence, a 20-piece source, a
-          self-attention cache 32 columns wide. One model per architecture: vanilla, GRET (capsules,
+          self-attention cache 32 columns wide with each row at a random position in it (a row
+          reads its own columns). One model per architecture: vanilla, GRET (capsules,
           layer-wise GRU, context gate: the output term), multi-view (GCA: a memory per decoder layer),
           Graph-Transformer, mvPE + POS. The weights are untrained, at the shipped models' size
           (--preset, 8000 pieces): a step's time depends on shapes, not on values. Architectures
