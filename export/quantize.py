@@ -74,7 +74,10 @@ def quantize_int8(src: Path, dst: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             prepared = Path(tmp) / src.name
             onnx.save(model, str(prepared))
+            # ONNX shape inference cannot type what follows the decoder's GroupQueryAttention (a
+            # com.microsoft op); every tensor the quantizer meets there is float32
             quantize_dynamic(str(prepared), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
-                             weight_type=QuantType.QInt8, nodes_to_exclude=batched_weight_matmuls(model))
+                             weight_type=QuantType.QInt8, nodes_to_exclude=batched_weight_matmuls(model),
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         root.setLevel(level)

@@ -7,6 +7,7 @@ about 1e-5, from ONNX Runtime's fused kernels and a different summation order)."
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import onnx
 import pytest
@@ -174,6 +175,16 @@ def test_int8_keeps_the_per_capsule_matmuls_fp32_and_the_gret_graphs_run(tmp_pat
     log_probs8, _ = int8.decode_step(tokens, 0, enc8, None)
     for got, expected in ((enc8.global_state, enc.global_state), (log_probs8, log_probs)):
         assert (got - expected).norm() < 0.1 * expected.norm()
+
+
+def test_the_step_attends_with_group_query_attention_and_copies_no_logits(tmp_path, spm_bytes):
+    """Each decoder layer's self-attention is one GroupQueryAttention node over the cache (in place,
+    each row's own columns), and no If is left from a squeeze of unknown shape: it would copy the
+    (R, V) logits every step."""
+    model, _ = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
+    for name in ("decoder.onnx", "decoder.int8.onnx"):
+        ops = Counter(n.op_type for n in onnx.load(str(tmp_path / "repo" / name)).graph.node)
+        assert ops["GroupQueryAttention"] == model.cfg.dec_layers and ops["If"] == 0, name
 
 
 def test_first_step_has_an_empty_past_and_the_past_axis_is_dynamic(tmp_path, spm_bytes):

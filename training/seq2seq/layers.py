@@ -33,13 +33,12 @@ class CachedSelfAttention(torch.autograd.Function):
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, lengths, n_heads: int):
         int32, axis = 6, g.op("Constant", value_t=torch.tensor([1]))  # 6: onnx.TensorProto.INT32
-        q, k, v = (g.op("Unsqueeze", t, axis) for t in (q, k, v))  # (R, 1, D): one position per row
         total = g.op("Add", g.op("ReduceMax", lengths, keepdims_i=0), g.op("Constant", value_t=torch.tensor(1)))
-        out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v,
-                                         g.op("Cast", lengths, to_i=int32), g.op("Cast", total, to_i=int32),
+        out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention",
+                                         *(g.op("Unsqueeze", t, axis) for t in (q, k, v)),  # (R, 1, D)
+                                         past_k, past_v, g.op("Cast", lengths, to_i=int32),
+                                         g.op("Cast", total, to_i=int32),
                                          num_heads_i=n_heads, kv_num_heads_i=n_heads, outputs=3)
-        for value, like in ((out, q), (present_k, past_k), (present_v, past_v)):  # shape inference has no rule for it
-            value.setType(like.type())
         return g.op("Squeeze", out, axis), present_k, present_v
 
 

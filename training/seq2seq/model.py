@@ -191,8 +191,9 @@ class Seq2Seq(nn.Module):
             x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, positions, kernels)
             present.append(kv)
         rows = EncoderState([], enc.src_pad, per_row(enc.global_state), per_row(enc.gate_source))
-        # squeeze, not [:, 0], and no .float() on float32: exported, each copies the (R, V) logits (Gather, Cast)
-        logits = self.output(x[:, None], rows, 1, kernels).squeeze(1)
+        # flatten(1), not [:, 0] or squeeze(1), and no .float() on float32: exported, each copies the (R, V)
+        # logits (Gather; an If where the shapes past GroupQueryAttention are not inferred; Cast)
+        logits = self.output(x[:, None], rows, 1, kernels).flatten(1)
         return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1), present
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list[KV] | None,
