@@ -2,9 +2,9 @@
 
 Weights become int8 with one scale per output column (per_channel), activations are quantized
 per call at run time. The quantizer rewrites Gemm (a Linear on 2-D input, e.g. GRET's GRU cell)
-as MatMul + Add and quantizes those too. LayerNorm, softmax, attention scores, the capsule
-routing's per-capsule matmuls (a 3-D weight: one matrix per capsule) and the embedding lookup stay
-fp32.
+as MatMul + Add and quantizes those too, and the capsule projection is one 2-D weight (the
+exported routing builds u_hat, kernels/routing.py). LayerNorm, softmax, attention scores and the
+embedding lookup stay fp32.
 
 The int8 graphs sit beside the fp32 ones in the same repository (encoder.int8.onnx,
 decoder.int8.onnx; model.json lists both under onnx.precisions), so one repository serves both
@@ -52,14 +52,6 @@ def pretranspose_gemm_weights(model: onnx.ModelProto) -> None:
             graph.initializer.remove(initializers[name])
 
 
-def batched_weight_matmuls(model: onnx.ModelProto) -> list[str]:
-    """MatMul nodes whose weight is a stack of matrices (rank > 2): ONNX Runtime's int8 MatMul
-    takes one scale per output column of a single matrix, so these stay fp32."""
-    ranks = {t.name: len(t.dims) for t in model.graph.initializer}
-    return [n.name for n in model.graph.node
-            if n.op_type == "MatMul" and any(ranks.get(i, 0) > 2 for i in n.input)]
-
-
 def quantize_int8(src: Path, dst: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic  # heavy import: only when asked
 
@@ -77,7 +69,7 @@ def quantize_int8(src: Path, dst: Path) -> None:
             # ONNX shape inference cannot type what follows the decoder's GroupQueryAttention (a
             # com.microsoft op); every tensor the quantizer meets there is float32
             quantize_dynamic(str(prepared), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
-                             weight_type=QuantType.QInt8, nodes_to_exclude=batched_weight_matmuls(model),
+                             weight_type=QuantType.QInt8,
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         root.setLevel(level)

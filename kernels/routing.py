@@ -1,9 +1,16 @@
 """Capsule dynamic routing (docs/GRET.md) over G sentences: the M encoder layers of a batch of B
 sentences are routed as one group of G = B*M independent sentences.
 
-Reference: `capsule_routing_reference`, the factorised algorithm the model trains with. The
-transformed inputs u_hat (G, K, S, d_c) are never built: the agreement b_ki = h_i . Z_k with
-Z_k = W_k sum_t u_k^(t), so each iteration is a K-query attention over h plus two GEMMs.
+Two exact forms of the same math, each where it is cheaper:
+- `capsule_routing_reference`, factorised, the one the model trains with: the transformed inputs
+  u_hat (G, K, S, d_c) are never built. The agreement b_ki = h_i . Z_k with Z_k = W_k sum_t u_k^(t),
+  so each iteration is a K-query attention over h plus two per-capsule GEMMs.
+- `capsule_routing_unfolded`, Algorithm 1 as printed, the one the exported graph runs: u_hat is
+  one 2-D GEMM h @ [W_1 .. W_K], after which nothing reads W again. ONNX Runtime prepacks that
+  weight once and the int8 export quantizes it (one scale per capsule column); the factorised
+  form's per-capsule batched matmuls stay fp32 and repack W on every call. That makes the
+  unfolded form the cheaper one at the engine's encoder batches (a few short sentences), though
+  it does S/(2r-1) times the factorised form's multiply-adds (bench speed measures the encoder).
 
 Triton (2r launches for r iterations, all buffers in the input dtype, fp32 accumulation):
   iteration 1   masked mean          grid (G, cdiv(D, BLOCK_D))    Hb = mean of the non-pad h
@@ -63,12 +70,31 @@ def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tenso
     return (u, c) if coupling else u
 
 
+def capsule_routing_unfolded(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
+                             scale: float = 1.0) -> torch.Tensor:
+    """Algorithm 1 with u_hat built (same contract as the reference): the exported graph's form."""
+    g, s, _ = h.shape
+    k, d, c = w.shape  # from w, not h: the exporter folds the reshaped weight into one constant
+    # (D, K*d_c): a plain 2-D weight, which the int8 quantizer takes
+    u_hat = (h @ w.transpose(0, 1).reshape(d, k * c)).view(g, s, k, c).transpose(1, 2)  # (G, K, S, d_c)
+    b = torch.zeros(g, k, s, dtype=torch.float32, device=h.device)
+    for t in range(iters):
+        coupling = torch.softmax((scale * b).masked_fill(pad[:, None, :], float("-inf")), -1).to(h.dtype)
+        u = squash((coupling[:, :, None, :] @ u_hat)[:, :, 0])  # (G, K, d_c)
+        if t < iters - 1:
+            b = b + (u_hat @ u[..., None])[..., 0].float()
+    return u
+
+
 # ---- dispatcher ---------------------------------------------------------------------------
 def capsule_routing(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
                     detach: bool = False, scale: float = 1.0) -> torch.Tensor:
-    """Triton on CUDA at inference, the reference otherwise (`detach` only matters for gradients)."""
+    """Triton on CUDA at inference, the unfolded form while exporting to ONNX, the factorised
+    reference otherwise (`detach` only matters for gradients)."""
     if use_triton(h, w):
         return capsule_routing_triton(h, pad, w, iters, scale)
+    if torch.onnx.is_in_onnx_export():
+        return capsule_routing_unfolded(h, pad, w, iters, scale)
     return capsule_routing_reference(h, pad, w, iters, detach, scale=scale)
 
 

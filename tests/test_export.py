@@ -17,7 +17,6 @@ from export.__main__ import main as export_main
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
-from export.quantize import batched_weight_matmuls
 from export.spec import decoder_spec, encoder_spec
 from server.engine.topk import row_topk
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
@@ -159,15 +158,19 @@ def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path,
         assert torch.equal(log_probs.gather(1, tokens), values)
 
 
-def test_int8_keeps_the_per_capsule_matmuls_fp32_and_the_gret_graphs_run(tmp_path, spm_bytes):
-    """ONNX Runtime's int8 MatMul takes one weight matrix; capsule routing multiplies by one matrix
-    per capsule (a 3-D weight). Those matmuls stay fp32, the rest is quantized, and the int8 GRET
-    graphs give an s^M and log-probabilities close to fp32's (within 10% of their norm: int8's error)."""
+def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, spm_bytes):
+    """The exported routing projects by the stacked capsule weights as one 2-D matrix, so int8
+    leaves no MatMul on an fp32 weight in either graph, and the int8 GRET graphs give an s^M and
+    log-probabilities close to fp32's (within 10% of their norm: int8's error)."""
     model, fp32 = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
     int8 = OnnxModel(tmp_path / "repo", precision="int8")
-    encoder = onnx.load(str(tmp_path / "repo" / "encoder.int8.onnx"))
-    assert batched_weight_matmuls(encoder)  # present, and left as fp32 MatMul
-    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in encoder.graph.node)
+    for name in ("encoder.int8.onnx", "decoder.int8.onnx"):
+        graph = onnx.load(str(tmp_path / "repo" / name)).graph
+        weights = {t.name for t in graph.initializer}
+        assert not [n.name for n in graph.node if n.op_type == "MatMul" and weights & set(n.input)], name
+    capsule = model.cfg.d_model, model.cfg.capsules * model.cfg.capsule_dim
+    encoder = onnx.load(str(tmp_path / "repo" / "encoder.int8.onnx")).graph
+    assert any(t.data_type == onnx.TensorProto.INT8 and tuple(t.dims) == capsule for t in encoder.initializer)
     src, tags = random_batch(model.cfg, [6, 4])
     enc, enc8 = fp32.encode(src, tags), int8.encode(src, tags)
     tokens = torch.full((2,), model.cfg.bos_id)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
-from training.seq2seq.gret import capsule_routing, capsule_routing_explicit, masked_mean, squash
+from kernels.routing import capsule_routing, capsule_routing_unfolded, masked_mean, squash
 from training.seq2seq.layers import EncoderLayer
 from training.seq2seq.model import Seq2Seq
 from training.seq2seq.multiview import view_index
@@ -95,10 +95,11 @@ def routing_inputs(g=3, s=7, d=12, k=5, dc=6, seed=0):
 
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 @pytest.mark.parametrize("iters", [1, 2, 3, 5])
-def test_factorised_routing_equals_explicit_routing(iters, scale):
+def test_factorised_routing_equals_algorithm_1_with_u_hat_built(iters, scale):
+    """The form training runs (u_hat never built) and the form the exported graph runs agree."""
     h, pad, w = routing_inputs()
     torch.testing.assert_close(capsule_routing(h, pad, w, iters, scale=scale),
-                               capsule_routing_explicit(h, pad, w, iters, scale=scale), atol=1e-5, rtol=1e-4)
+                               capsule_routing_unfolded(h, pad, w, iters, scale=scale), atol=1e-5, rtol=1e-4)
 
 
 def test_one_iteration_is_squashed_transform_of_masked_mean():

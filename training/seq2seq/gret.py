@@ -7,23 +7,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels.context_gate import context_gate_reference
-from kernels.routing import capsule_routing, masked_mean, squash  # the dispatcher and the reference math
+from kernels.routing import capsule_routing, masked_mean
 
 from .layers import FeedForward
-
-
-def capsule_routing_explicit(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
-                             scale: float = 1.0) -> torch.Tensor:
-    """Algorithm 1 as printed (materialises u_hat); the reference the factorised form must equal.
-    `scale` multiplies the logits b before the softmax (1 in the paper)."""
-    u_hat = torch.einsum("gsd,kdc->gksc", h, w)
-    b = torch.zeros(u_hat.shape[:3], dtype=torch.float32)
-    for t in range(iters):
-        c = torch.softmax((scale * b).masked_fill(pad[:, None, :], float("-inf")), -1).to(h.dtype)
-        u = squash(torch.einsum("gks,gksc->gkc", c, u_hat))
-        if t < iters - 1:
-            b = b + torch.einsum("gksc,gkc->gks", u_hat, u).float()
-    return u
 
 
 class GlobalState(nn.Module):
