@@ -110,6 +110,18 @@ def test_pieces_share_word_tag(sp, lang, text, word, tag):
     assert set(inside) == {U[tag]}
 
 
+def test_a_word_outside_the_lexicon_is_analysed_once_and_tagged_the_same_again():
+    """HanTa's analysis of an unknown word is memoised: the second sentence with the word reuses it."""
+    tagger = pt.Tagger("de")
+    analyses = tagger._model.analyze_forward
+    before = analyses.cache_info().misses
+    first = tagger.tag_text("Ein Straßenmusikantenquartett spielt.")
+    misses = analyses.cache_info().misses
+    assert misses > before  # the compound is not in the lexicon
+    assert tagger.tag_text("Ein Straßenmusikantenquartett spielt.") == first
+    assert analyses.cache_info().misses == misses
+
+
 def test_whitespace_piece_takes_next_word():
     words = [(0, 1, U["NOUN"]), (5, 6, U["VERB"])]
     spans = [(0, 0), (0, 1), (3, 5), (5, 6), (6, 7)]

@@ -115,13 +115,20 @@ def _check_lang(lang: str) -> str:
     return code
 
 
+ANALYSES = 1 << 15  # memoised analyses of out-of-lexicon words per language (a few KB each at most)
+
+
 @functools.lru_cache(maxsize=None)
 def _hanta(filename: str):
     # Loading unpickles a large model: do it once per process and language. Always the file inside
     # the installed package: given a bare name, HanTa tries the working directory first and would
     # unpickle (run) whatever file of that name it found there.
     from HanTa import HanoverTagger as ht
-    return ht.HanoverTagger(os.path.join(os.path.dirname(ht.__file__), filename))
+    model = ht.HanoverTagger(os.path.join(os.path.dirname(ht.__file__), filename))
+    # A word outside HanTa's precomputed lexicon is analysed afresh at every occurrence, and that is
+    # most of its tagging time. The analysis depends on the word alone: memoise it, bounded.
+    model.analyze_forward = functools.lru_cache(maxsize=ANALYSES)(model.analyze_forward)
+    return model
 
 
 @functools.lru_cache(maxsize=None)
