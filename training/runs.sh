@@ -218,6 +218,9 @@ gret_s() {
     --eval-every 500 --mvpe --pos-tags --gret capsule,aggregate,gate --global-norm --global-zero-bias --routing-scale \
     --gate-bias-init 0 --global-bow 0.2
 }
+# The light variant won the shipping rule (val BLEU 43.46 against the control's 42.77, beam 4):
+#   python -m training.ship --checkpoint runs/deen-gret-light-mvpe-pos-drop3-5300 --out models/multi30k-de-en
+#   python -m training.ship --checkpoint runs/deen-scratch-control-drop3-5300 --out models/multi30k-de-en-vanilla
 
 case "${1:-}" in
   study) study ;;
