@@ -11,7 +11,7 @@ import torch
 from server.engine.encoder_cache import EncoderCache
 from server.backends import TorchBackend
 from server.engine.batch import banned_tokens
-from server.engine.engine import Draining, Engine, Replicas
+from server.engine.engine import ENCODE_PIECES, Draining, Engine, Replicas, encoder_passes
 from server.engine.options import DecodingOptions, Limits, OptionError
 from server.engine.scheduler import QueueFull, Scheduler, batch_cost
 from server.engine.result_cache import ResultCache, result_key
@@ -329,6 +329,23 @@ def test_admission_is_budgeted_in_beam_times_tokens_and_the_queue_is_bounded():
         engine.submit([make_seq(model, srcs[0]) for _ in range(3)])
     engine.run_until_idle()
     assert all(s.status == OK for s in seqs)
+
+
+def test_encoder_passes_bound_the_padded_pieces_and_keep_the_texts_in_order():
+    """An encoder pass pads its texts to the longest: passes hold at most ENCODE_PIECES padded
+    pieces, so many short texts share one and long ones go a few at a time."""
+    def seq(n):
+        return Sequence([1] * n, DecodingOptions(beam=1), 5, on_done=lambda s: None)
+
+    lengths = [16] * 70 + [127] * 20 + [8, 2 * ENCODE_PIECES, 8]
+    seqs = [seq(n) for n in lengths]
+    passes = encoder_passes(seqs)
+    assert [s for p in passes for s in p] == seqs
+    for p in passes:
+        assert len(p) * max(len(s.src) for s in p) <= ENCODE_PIECES or len(p) == 1
+    assert len(passes[0]) == ENCODE_PIECES // 16  # short texts: many per pass
+    assert max(len(p) for p in passes if max(len(s.src) for s in p) == 127) == ENCODE_PIECES // 127
+    assert [seqs[-2]] in passes  # longer than a pass allows: alone
 
 
 # ---- who is admitted next (server.engine.scheduler) --------------------------------------------------

@@ -36,10 +36,27 @@ log = logging.getLogger("server.engine")
 PHASES = ("encode", "decoder", "search", "cache")
 TOP_K_PHASE = "decoder"  # each row's top-k candidates are the backend's step's (benchmarks record it)
 
-# Texts per encoder pass. A step may admit hundreds of short texts; encoded at once, their
-# activations would set ONNX Runtime's memory arena, which keeps its peak, to hundreds of MB per
-# model (bench memory). In passes of this many the encoder costs the same and holds a fraction.
-ENCODE_AT_ONCE = 32
+# Padded source pieces per encoder pass (texts x the longest of them). A step may admit hundreds of
+# texts; encoded at once, their activations would set ONNX Runtime's memory arena, which keeps its
+# peak, to hundreds of MB per model (bench memory), and they grow with length as much as with
+# count (the exported GRET routing's u_hat alone is 8 KB per piece and routed layer). In passes
+# of this size the encoder costs the same and holds a fraction.
+ENCODE_PIECES = 1024
+
+
+def encoder_passes(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """seqs in order, cut into runs whose padded size stays within ENCODE_PIECES (a text longer
+    than that goes alone)."""
+    passes, longest = [], 0
+    for s in seqs:
+        grown = max(longest, len(s.src))
+        if passes and grown * (len(passes[-1]) + 1) <= ENCODE_PIECES:
+            passes[-1].append(s)
+            longest = grown
+        else:
+            passes.append([s])
+            longest = len(s.src)
+    return passes
 
 
 class Draining(Exception):
@@ -193,8 +210,7 @@ class Engine:
             s.admitted = start
             s.cache_hit = cache_key(self.version, s.src, s.tags) in self.cache
         parts = []
-        for k in range(0, len(seqs), ENCODE_AT_ONCE):
-            chunk = seqs[k: k + ENCODE_AT_ONCE]
+        for chunk in encoder_passes(seqs):
             tags = [s.tags for s in chunk] if self.backend.cfg.pos_tags else None
             parts.append(encode_cached(self.backend, self.cache, self.version, [s.src for s in chunk], tags))
         enc = parts[0] if len(parts) == 1 else EncoderState.stack(parts)
