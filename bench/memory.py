@@ -85,8 +85,9 @@ def pod_flags(models_dir: Path) -> list[str]:
 
 
 class Sampler:
-    """Samples the memory of a process and its descendants every SAMPLE_S on a thread; keeps the
-    peak of each phase (the sums over processes, and each process's own)."""
+    """Samples the memory of a process and its descendants every SAMPLE_S on a thread, and once more
+    whenever asked (the end of each phase, which may be shorter than SAMPLE_S); keeps the peak of
+    each phase (the sums over processes, and each process's own)."""
 
     def __init__(self, pid: int):
         self.root = psutil.Process(pid)
@@ -94,6 +95,7 @@ class Sampler:
         self.peaks: dict[str, dict] = {}
         self.series: list[tuple[float, str, float, float]] = []  # (seconds, phase, rss MiB, pss MiB)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's samples and the phases' own
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -119,13 +121,15 @@ class Sampler:
                 rss, pss = rss + m.rss, pss + m.pss
                 each[f"{p.pid} {' '.join(p.cmdline()[1:4])[:60]}"] = m.pss
         mib = 2**20
-        self.series.append((round(time.monotonic() - self._start, 1), self.phase, round(rss / mib, 1),
-                            round(pss / mib, 1)))
-        peak = self.peaks.setdefault(self.phase, {"rss_mib": 0.0, "pss_mib": 0.0, "processes": 0, "pss_by_process": {}})
-        peak["rss_mib"] = max(peak["rss_mib"], round(rss / mib, 1))
-        if pss / mib > peak["pss_mib"]:
-            peak.update(pss_mib=round(pss / mib, 1), processes=len(each),
-                        pss_by_process={k: round(v / mib, 1) for k, v in sorted(each.items())})
+        with self._lock:
+            self.series.append((round(time.monotonic() - self._start, 1), self.phase, round(rss / mib, 1),
+                                round(pss / mib, 1)))
+            peak = self.peaks.setdefault(self.phase, {"rss_mib": 0.0, "pss_mib": 0.0, "processes": 0,
+                                                      "pss_by_process": {}})
+            peak["rss_mib"] = max(peak["rss_mib"], round(rss / mib, 1))
+            if pss / mib > peak["pss_mib"]:
+                peak.update(pss_mib=round(pss / mib, 1), processes=len(each),
+                            pss_by_process={k: round(v / mib, 1) for k, v in sorted(each.items())})
 
 
 def metric(port: int, name: str) -> dict[str, float]:
@@ -261,6 +265,7 @@ async def drive(address: str, metrics_port: int, sampler: Sampler, quick: bool) 
         for name in ("caches", "steady", "extreme", "spike"):
             sampler.phase = load.phase = name
             report[name] = await getattr(load, name)(plan[name])
+            await asyncio.to_thread(sampler.sample)  # the phase's own sample, however short it was
             report[name]["calls"] = dict(load.codes[name])
             print(f"{name}: {report[name]}; peak so far RSS {max(p['rss_mib'] for p in sampler.peaks.values())} MiB, "
                   f"PSS {max(p['pss_mib'] for p in sampler.peaks.values())} MiB", flush=True)
