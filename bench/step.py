@@ -42,9 +42,10 @@ from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from training.corpora import PROJECT_ROOT, load_examples
+from training.decode import source_tags
 from training.seq2seq.checkpoint import SPM, load_checkpoint, save_checkpoint
 from training.seq2seq.config import PRESETS, Checkpoint, DataConfig, ModelConfig
-from training.seq2seq.inputs import encode_source
+from training.seq2seq.inputs import align_tags, encode_source
 from training.seq2seq.model import Seq2Seq
 
 ARCHITECTURES = {
@@ -124,16 +125,17 @@ class Rows(Observer):
         self.rows += rows
 
 
-def closed_loop(engine: Engine, sources: list[list[int]], in_flight: int, texts: int) -> dict:
-    """`texts` texts through the engine with `in_flight` of them queued or running at any time."""
+def closed_loop(engine: Engine, sources: list[tuple[list[int], list[int] | None]], in_flight: int, texts: int) -> dict:
+    """`texts` texts through the engine with `in_flight` of them queued or running at any time;
+    sources: (piece ids, POS tags or None) per text."""
     options = DecodingOptions(beam=BEAM)
     cfg, issued, finished = engine.backend.cfg, [0], [0]
 
     def submit() -> None:
-        src = sources[issued[0] % len(sources)]
+        src, tags = sources[issued[0] % len(sources)]
         issued[0] += 1
         limit = options.output_limit(len(src), cfg.max_positions - 1, Limits())
-        engine.enqueue([Sequence(src, options, limit, on_done=done)])
+        engine.enqueue([Sequence(src, options, limit, on_done=done, tags=tags)])
 
     def done(_: Sequence) -> None:
         finished[0] += 1
@@ -159,19 +161,21 @@ def engine_part(args, build: Path) -> dict:
     from server.config import ServerConfig
 
     config = ServerConfig()  # the server's admission defaults
-    checkpoint = args.checkpoints[0]
-    _, ckpt, sp = load_checkpoint(checkpoint)
-    examples = load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang, ckpt.data.tgt_lang)
-    sources = [encode_source(sp, e.source, ckpt.data.max_src_len) for e in examples]
-    engines = {}
+    engines, sources = {}, {}
     for path in args.checkpoints:
+        model, ckpt, sp = load_checkpoint(path)
+        texts = [e.source for e in load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang,
+                                                 ckpt.data.tgt_lang)]
+        ids = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
+        tags = source_tags(model, sp, texts, ckpt.data.src_lang)  # a model that reads POS tags gets them
+        sources[path.name] = list(zip(ids, align_tags(tags, ids) if tags else [None] * len(ids)))
         backend = OnnxBackend(export(path, build / f"engine-{path.name}", "onnx"), "int8", 1)
         engines[path.name] = lambda b=backend: Engine(b, "bench", Scheduler(
             config.batching, config.max_batch_tokens, 1 << 20, config.max_call_share), observer=Rows())
     points = {name: [] for name in engines}
     for in_flight in args.in_flight:
         for name, make in engines.items():
-            points[name].append(closed_loop(make(), sources, in_flight, max(args.texts, 4 * in_flight)))
+            points[name].append(closed_loop(make(), sources[name], in_flight, max(args.texts, 4 * in_flight)))
     out = {}
     for name, series in points.items():
         fits = {k: line([(p["rows"], p["ms"][k]) for p in series]) for k in PHASES}

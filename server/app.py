@@ -68,12 +68,20 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
+        self.wrapped: dict[str, grpc.RpcMethodHandler] = {}  # by method: built once, not per call
 
     async def intercept_service(self, continuation, details):
+        wrapped = self.wrapped.get(details.method)
+        if wrapped is not None:
+            return wrapped
         handler = await continuation(details)
         if handler is None or not details.method.startswith(f"/{SERVICE}/"):
             return handler
-        method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[details.method.rsplit("/", 1)[1]]
+        self.wrapped[details.method] = wrapped = self._wrap(details.method, handler)
+        return wrapped
+
+    def _wrap(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[name.rsplit("/", 1)[1]]
         parse, message = handler.request_deserializer, f"the request is not a valid {method.input_type.full_name}"
         invalid = grpc.StatusCode.INVALID_ARGUMENT
 

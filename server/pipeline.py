@@ -130,12 +130,13 @@ class Pipeline:
         def fits(part: str) -> bool:
             return not self._cut(reading(part))
 
-        docs = []
-        for i, text in enumerate(texts):
+        for i, text in enumerate(texts):  # all checked before any is read: a bad call is refused at once
             if not text.strip():
                 raise InputError(f"text {i} is empty or only whitespace")
             if len(text) > limits.max_text_chars:
                 raise InputError(f"text {i} has {len(text)} characters; the limit is {limits.max_text_chars}")
+        docs = []
+        for i, text in enumerate(texts):
             if markup:
                 layout = segment_html(text, self.entry.source_language, fits)
             else:

@@ -37,6 +37,11 @@ from .registry import ModelNotFound, Registry
 log = logging.getLogger("server.service")
 
 DEADLINE_SLACK_S = 0.25
+# POS tagging (HanTa, pure Python) takes 0.2-1 ms per sentence; handing a call to the executor
+# costs about as much again in thread switches. Requests up to this many characters (a few
+# sentences) are tagged on the event loop; longer ones, whose tagging would stall every other
+# call, in the executor.
+INLINE_TAGGING_CHARS = 256
 FAILURE_CODES = {DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED, CANCELLED: grpc.StatusCode.CANCELLED,
                  UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
@@ -260,7 +265,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 call.sentences.put_nowait((i, seq))
 
         try:
-            if pipeline.entry.cfg.pos_tags:  # tagging is slow: keep it off the event loop
+            if pipeline.entry.cfg.pos_tags and sum(map(len, texts)) > INLINE_TAGGING_CHARS:
                 docs = await loop.run_in_executor(None, pipeline.documents, texts, options, on_done, deadline, split,
                                                   None, markup, prefixes)
             else:

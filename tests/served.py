@@ -27,11 +27,12 @@ TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "600", "--l
 
 
 def train_models(root: Path) -> Path:
-    """root/models: de-en (GRET, exported ONNX repository; its checkpoint is root/runs/de-en), en-de
-    (vanilla checkpoint: the server exports it on first start), gigaword (summariser checkpoint)."""
+    """root/models: de-en (GRET reading source POS tags, as the shipped de-en does; exported ONNX
+    repository; its checkpoint is root/runs/de-en), en-de (vanilla checkpoint: the server exports it
+    on first start), gigaword (summariser checkpoint)."""
     runs, models = root / "runs", root / "models"
-    train.main(["--out", str(runs / "de-en"), *TINY, "--gret", "full", "--train-limit", "60", "--valid-limit", "4",
-                "--max-steps", "60", "--eval-every", "60"])
+    train.main(["--out", str(runs / "de-en"), *TINY, "--gret", "full", "--pos-tags", "--train-limit", "60",
+                "--valid-limit", "4", "--max-steps", "60", "--eval-every", "60"])
     export_main(["--checkpoint", str(runs / "de-en"), "--out", str(models / "tiny-de-en"), "--quantize", "int8"])
     train.main(["--out", str(models / "tiny-en-de"), *TINY, "--src", "en", "--tgt", "de", "--train-limit", "60",
                 "--valid-limit", "4", "--max-steps", "30", "--eval-every", "30"])

@@ -25,7 +25,8 @@ from training.data import train_sentencepiece
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from training.seq2seq.config import Checkpoint, DataConfig
-from training.seq2seq.inputs import encode_source, pad
+from training.decode import source_tags
+from training.seq2seq.inputs import align_tags, encode_source, pad
 from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
@@ -266,34 +267,35 @@ def trained(served_models):
     word-like output, e.g. "A man in a ... on a ..."), exported with int8 graphs."""
     model, ckpt, sp = load_checkpoint(served_models.parent / "runs" / "de-en")
     texts = [e.source for e in load_examples("multi30k", "val", "de", "en")[:20]]
-    src = pad([encode_source(sp, t, ckpt.data.max_src_len) for t in texts])
-    return model, served_models / "tiny-de-en", src
+    ids = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
+    tags = pad(align_tags(source_tags(model, sp, texts, "de"), ids))  # it reads POS tags (tests/served.py)
+    return model, served_models / "tiny-de-en", pad(ids), tags
 
 
 def test_beam_search_on_onnx_gives_the_pytorch_outputs_on_real_sentences(trained):
-    model, repo, src = trained
+    model, repo, src, tags = trained
     onnx_model = OnnxModel(repo)
-    expected = search.beam_search(model, src, beam=4, n_best=2)
+    expected = search.beam_search(model, src, tags, beam=4, n_best=2)
     assert sum(len(hyps[0].tokens) >= 5 for hyps in expected) >= 15  # real output, not EOS at once
-    actual = beam_search(onnx_model, src, beam=4, n_best=2)
+    actual = beam_search(onnx_model, src, tags, beam=4, n_best=2)
     assert [[h.tokens for h in hyps] for hyps in actual] == [[h.tokens for h in hyps] for hyps in expected]
     for hyps, ref_hyps in zip(actual, expected):
         assert [h.score for h in hyps] == pytest.approx([h.score for h in ref_hyps], abs=1e-4)
-    assert greedy(onnx_model, src) == search.greedy(model, src)
+    assert greedy(onnx_model, src, tags) == search.greedy(model, src, tags)
 
 
 def test_int8_graphs_run_and_give_valid_output(trained):
-    model, repo, src = trained
+    model, repo, src, tags = trained
     manifest = read_manifest(repo)
     assert manifest["onnx"]["precisions"]["int8"] == {"encoder": "encoder.int8.onnx", "decoder": "decoder.int8.onnx"}
     files = manifest["files"]
     assert files["decoder.int8.onnx"]["bytes"] < files["decoder.onnx"]["bytes"]
     int8, fp32 = OnnxModel(repo, precision="int8"), OnnxModel(repo)
     tokens = torch.full((src.shape[0],), model.cfg.bos_id)
-    log_probs, _ = int8.decode_step(tokens, 0, int8.encode(src), None)
+    log_probs, _ = int8.decode_step(tokens, 0, int8.encode(src, tags), None)
     assert log_probs.shape == (src.shape[0], model.cfg.vocab_size) and torch.isfinite(log_probs).all()
     torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(src.shape[0]), atol=1e-4, rtol=0)
-    reference, _ = fp32.decode_step(tokens, 0, fp32.encode(src), None)
+    reference, _ = fp32.decode_step(tokens, 0, fp32.encode(src, tags), None)
     assert (log_probs - reference).abs().max() < 0.25  # quantization noise (observed 0.04), not a different model
-    hyps = beam_search(int8, src, beam=4)
+    hyps = beam_search(int8, src, tags, beam=4)
     assert all(h and all(0 <= t < model.cfg.vocab_size for t in h[0].tokens) for h in hyps)

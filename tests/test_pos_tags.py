@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import sentencepiece as spm
 
+from training.corpora import load_examples
 from training.seq2seq import pos_tags as pt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,17 @@ def test_a_word_outside_the_lexicon_is_analysed_once_and_tagged_the_same_again()
     assert misses > before  # the compound is not in the lexicon
     assert tagger.tag_text("Ein Straßenmusikantenquartett spielt.") == first
     assert analyses.cache_info().misses == misses
+
+
+def test_a_word_of_thousands_of_characters_is_tagged_from_its_beginning_in_milliseconds():
+    """HanTa's analysis is quadratic in a word's length (4000 characters: about a minute); it sees
+    WORD_CHARS of them, so a request cannot stall the tagger, and no word of the corpora is cut."""
+    tagger = pt.Tagger("de")
+    word = "Donaudampfschifffahrtsgesellschaftskapitän" * 100  # uncut, minutes of analysis
+    cut = word[: pt.WORD_CHARS]
+    assert tagger.tag_words(["Der", word, "lacht", "."]) == tagger.tag_words(["Der", cut, "lacht", "."])
+    train = load_examples("multi30k", "train", "de", "en")
+    assert max(end - begin for e in train for begin, end in tagger.tokenize(e.source)) <= pt.WORD_CHARS
 
 
 def test_whitespace_piece_takes_next_word():

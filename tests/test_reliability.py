@@ -226,11 +226,12 @@ def text_problem(entry, task: str, request, o: dict) -> str:
     for i, prefix in enumerate(sent):
         if len(prefix) > FUZZ_LIMITS["max_text_chars"]:
             return f"option target_prefix {i} has {len(prefix)} characters"
-    for i, (text, prefix) in enumerate(zip(texts, prefixes_of(request))):
+    for i, text in enumerate(texts):  # every text's size first, before any is read
         if not text.strip():
             return f"text {i} is empty or only whitespace"
         if len(text) > FUZZ_LIMITS["max_text_chars"]:
             return f"text {i} has {len(text)} characters"
+    for i, (text, prefix) in enumerate(zip(texts, prefixes_of(request))):
         parts = segments(entry, request, text)
         if not parts:
             return f"text {i} has no text outside its markup"
@@ -1082,7 +1083,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_memory_stays_bounde
                            "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--max-queue", 8,
                            "--max-batch-tokens", 2000, "--build-cache", tmp_path,
                            *DECODE_REPEATS)
-    flood = request(german(2, offset=300), beam=2, max_length_ratio=10, max_length=60, min_length=60)
+    flood = request(german(2, offset=300), beam=2, **LONG)  # the queue stays full while the calls below come
     codes, refused, memory, depths = collections.Counter(), [], [], []
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving()))

@@ -18,11 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import gret_serve_pb2 as pb
 from server.client import Client
 from server.reflect import main as reflect_main
+from server.service import INLINE_TAGGING_CHARS
 from tests.served import RunningServer, config_for, free_port
 from training.corpora import load_examples
+from training.decode import source_tags
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint
-from training.seq2seq.inputs import encode_source
+from training.seq2seq.inputs import align_tags, encode_source
 
 torch.set_num_threads(1)
 CODE = grpc.StatusCode
@@ -63,8 +65,9 @@ def test_translate_returns_the_offline_beam_search_output_for_each_text(client, 
     model, ckpt, sp = load_checkpoint(models.parent / "runs" / "de-en")
     assert response.model == "tiny-de-en" and [r.index for r in response.results] == list(range(6))
     for text, result in zip(texts, response.results):
-        src = torch.tensor([encode_source(sp, text, ckpt.data.max_src_len)])
-        expected = search.beam_search(model, src, beam=4, n_best=2)[0]
+        ids = encode_source(sp, text, ckpt.data.max_src_len)
+        src, tags = torch.tensor([ids]), torch.tensor(align_tags(source_tags(model, sp, [text], "de"), [ids]))
+        expected = search.beam_search(model, src, tags, beam=4, n_best=2)[0]
         assert [h.text for h in result.hypotheses] == [sp.decode(h.tokens) for h in expected]
         assert [h.score for h in result.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-3)
         assert result.source_tokens == src.shape[1]
@@ -78,6 +81,18 @@ def test_streaming_sends_every_text_once_as_it_finishes(client):
     unary = client.translate(texts, target="en")
     by_index = {r.results[0].index: r.results[0].hypotheses[0].text for r in streamed}
     assert [by_index[i] for i in range(5)] == [r.hypotheses[0].text for r in unary.results]
+
+
+def test_a_model_that_reads_pos_tags_gets_them_for_short_calls_and_long_ones(client, server):
+    """A short call is tagged on the event loop, a long one in the executor: each sentence is tagged
+    on its own either way, so ten copies of a sentence translate as ten copies of its translation."""
+    assert server.registry.pipelines["tiny-de-en"].entry.cfg.pos_tags
+    sentence = "Ein Hund läuft über die Wiese."
+    text = " ".join([sentence] * 10)
+    assert len(sentence) <= INLINE_TAGGING_CHARS < len(text)
+    short = client.translate([sentence], target="en").results[0].hypotheses[0].text
+    long = client.translate([text], target="en").results[0]
+    assert long.sentences == 10 and long.hypotheses[0].text == " ".join([short] * 10)
 
 
 def test_a_checkpoint_is_exported_on_first_start_and_serves_the_other_direction(client, server):

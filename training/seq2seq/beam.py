@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -49,8 +50,13 @@ def output_limit(source_tokens: int, a: float, b: int, cap: int) -> int:
     float64 gives 127 only because its own error happens to round up; 0.29 * 100 gives 28). We
     read a as the shortest decimal that is the same float32 and multiply exactly: 127, the
     number the formula promises."""
-    ratio = Fraction(np.format_float_positional(np.float32(a), unique=True, trim="-"))
-    return max(1, min(int(ratio * source_tokens + b), cap))
+    return max(1, min(int(decimal_ratio(a) * source_tokens + b), cap))
+
+
+@lru_cache(maxsize=256)  # a handful of distinct ratios in practice; parsing one costs ~10 us per text
+def decimal_ratio(a: float) -> Fraction:
+    """The shortest decimal that is the same float32 as `a`, exactly (output_limit)."""
+    return Fraction(np.format_float_positional(np.float32(a), unique=True, trim="-"))
 
 
 def force_prefix(log_probs: torch.Tensor, rows, token: int) -> None:
