@@ -42,10 +42,9 @@ from server.engine.options import DecodingOptions, Limits
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from training.corpora import PROJECT_ROOT, load_examples
-from training.decode import source_tags
+from training.decode import source_inputs
 from training.seq2seq.checkpoint import SPM, load_checkpoint, save_checkpoint
 from training.seq2seq.config import PRESETS, Checkpoint, DataConfig, ModelConfig
-from training.seq2seq.inputs import align_tags, encode_source
 from training.seq2seq.model import Seq2Seq
 
 ARCHITECTURES = {
@@ -166,9 +165,8 @@ def engine_part(args, build: Path) -> dict:
         model, ckpt, sp = load_checkpoint(path)
         texts = [e.source for e in load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang,
                                                  ckpt.data.tgt_lang)]
-        ids = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
-        tags = source_tags(model, sp, texts, ckpt.data.src_lang)  # a model that reads POS tags gets them
-        sources[path.name] = list(zip(ids, align_tags(tags, ids) if tags else [None] * len(ids)))
+        ids, tags = source_inputs(model, sp, texts, ckpt.data.src_lang, ckpt.data.max_src_len)
+        sources[path.name] = list(zip(ids, tags or [None] * len(ids)))  # a model that reads POS tags gets them
         backend = OnnxBackend(export(path, build / f"engine-{path.name}", "onnx"), "int8", 1)
         engines[path.name] = lambda b=backend: Engine(b, "bench", Scheduler(
             config.batching, config.max_batch_tokens, 1 << 20, config.max_call_share), observer=Rows())

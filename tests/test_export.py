@@ -25,8 +25,8 @@ from training.data import train_sentencepiece
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from training.seq2seq.config import Checkpoint, DataConfig
-from training.decode import source_tags
-from training.seq2seq.inputs import align_tags, encode_source, pad
+from training.decode import source_inputs
+from training.seq2seq.inputs import pad
 from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
@@ -165,12 +165,12 @@ def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, sp
     log-probabilities close to fp32's (within 10% of their norm: int8's error)."""
     model, fp32 = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
     int8 = OnnxModel(tmp_path / "repo", precision="int8")
-    for name in ("encoder.int8.onnx", "decoder.int8.onnx"):
-        graph = onnx.load(str(tmp_path / "repo" / name)).graph
+    graphs = {name: onnx.load(str(tmp_path / "repo" / f"{name}.int8.onnx")).graph for name in ("encoder", "decoder")}
+    for name, graph in graphs.items():
         weights = {t.name for t in graph.initializer}
         assert not [n.name for n in graph.node if n.op_type == "MatMul" and weights & set(n.input)], name
     capsule = model.cfg.d_model, model.cfg.capsules * model.cfg.capsule_dim
-    encoder = onnx.load(str(tmp_path / "repo" / "encoder.int8.onnx")).graph
+    encoder = graphs["encoder"]
     assert any(t.data_type == onnx.TensorProto.INT8 and tuple(t.dims) == capsule for t in encoder.initializer)
     src, tags = random_batch(model.cfg, [6, 4])
     enc, enc8 = fp32.encode(src, tags), int8.encode(src, tags)
@@ -267,9 +267,8 @@ def trained(served_models):
     word-like output, e.g. "A man in a ... on a ..."), exported with int8 graphs."""
     model, ckpt, sp = load_checkpoint(served_models.parent / "runs" / "de-en")
     texts = [e.source for e in load_examples("multi30k", "val", "de", "en")[:20]]
-    ids = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
-    tags = pad(align_tags(source_tags(model, sp, texts, "de"), ids))  # it reads POS tags (tests/served.py)
-    return model, served_models / "tiny-de-en", pad(ids), tags
+    ids, tags = source_inputs(model, sp, texts, "de", ckpt.data.max_src_len)  # it reads POS tags (tests/served.py)
+    return model, served_models / "tiny-de-en", pad(ids), pad(tags)
 
 
 def test_beam_search_on_onnx_gives_the_pytorch_outputs_on_real_sentences(trained):

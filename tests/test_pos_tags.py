@@ -123,7 +123,7 @@ def test_a_word_outside_the_lexicon_is_analysed_once_and_tagged_the_same_again()
     assert analyses.cache_info().misses == misses
 
 
-def test_a_word_of_thousands_of_characters_is_tagged_from_its_beginning_in_milliseconds():
+def test_a_word_of_thousands_of_characters_is_tagged_as_its_first_word_chars():
     """HanTa's analysis is quadratic in a word's length (4000 characters: about a minute); it sees
     WORD_CHARS of them, so a request cannot stall the tagger, and no word of the corpora is cut."""
     tagger = pt.Tagger("de")

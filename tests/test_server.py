@@ -21,10 +21,9 @@ from server.reflect import main as reflect_main
 from server.service import INLINE_TAGGING_CHARS
 from tests.served import RunningServer, config_for, free_port
 from training.corpora import load_examples
-from training.decode import source_tags
+from training.decode import source_inputs
 from training.seq2seq import search
 from training.seq2seq.checkpoint import load_checkpoint
-from training.seq2seq.inputs import align_tags, encode_source
 
 torch.set_num_threads(1)
 CODE = grpc.StatusCode
@@ -65,8 +64,8 @@ def test_translate_returns_the_offline_beam_search_output_for_each_text(client, 
     model, ckpt, sp = load_checkpoint(models.parent / "runs" / "de-en")
     assert response.model == "tiny-de-en" and [r.index for r in response.results] == list(range(6))
     for text, result in zip(texts, response.results):
-        ids = encode_source(sp, text, ckpt.data.max_src_len)
-        src, tags = torch.tensor([ids]), torch.tensor(align_tags(source_tags(model, sp, [text], "de"), [ids]))
+        ids, tags = source_inputs(model, sp, [text], "de", ckpt.data.max_src_len)
+        src, tags = torch.tensor(ids), torch.tensor(tags)
         expected = search.beam_search(model, src, tags, beam=4, n_best=2)[0]
         assert [h.text for h in result.hypotheses] == [sp.decode(h.tokens) for h in expected]
         assert [h.score for h in result.hypotheses] == pytest.approx([h.score for h in expected], abs=1e-3)

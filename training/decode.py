@@ -15,11 +15,7 @@ def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length
                      src_lang: str | None = None, max_len_a: float = 1.5, max_len_b: int = 10) -> list[str]:
     """One detokenised output per input text, in input order."""
     model.eval()
-    src = [encode_source(sp, t, max_src_len) for t in texts]
-    if tags is None:
-        tags = source_tags(model, sp, texts, src_lang)
-    if tags is not None:
-        tags = align_tags(tags, src)
+    src, tags = source_inputs(model, sp, texts, src_lang, max_src_len, tags)
     out: list[str] = [""] * len(texts)
     device = model.embed.weight.device
     for ids, src_batch, tag_batch in source_batches(src, batch_tokens, tags):
@@ -32,6 +28,15 @@ def corpus_translate(model: Seq2Seq, sp, texts: list[str], beam: int = 4, length
         for i, tokens in zip(ids, results):
             out[i] = sp.decode(tokens)
     return out
+
+
+def source_inputs(model: Seq2Seq, sp, texts: list[str], src_lang: str | None, max_src_len: int,
+                  tags: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Each text's piece ids (EOS included) and, for a model that reads them, its POS tags (given
+    per word, or tagged here) aligned to the ids; None for a model that does not."""
+    ids = [encode_source(sp, t, max_src_len) for t in texts]
+    tags = source_tags(model, sp, texts, src_lang) if tags is None else tags
+    return ids, None if tags is None else align_tags(tags, ids)
 
 
 def source_tags(model: Seq2Seq, sp, texts: list[str], src_lang: str | None) -> list[list[int]] | None:
