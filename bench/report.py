@@ -292,7 +292,10 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
          f"`{s['model']}` and the GRET model `{s['gret']}` each on their own server. CTranslate2 int8 offline on the "
          f"same weights and texts, batches of {s['ct2_batch']}, as 1 replica × {data['cores']} threads and "
          f"{data['cores']} replicas × 1 thread. {s['rounds']} rounds, the systems taking turns; ratios are medians of "
-         f"the per-round ratios (the server over the better CTranslate2 setting of that round)."),
+         f"the per-round ratios (the server over the better CTranslate2 setting of that round)."
+         + (" `server-ct2` is the vanilla server with `--backend ct2`: CTranslate2's own engine and replicas behind "
+            "our gRPC service, so `server_ct2_vs_ct2` is what the service around an engine costs, whatever the engine."
+            if "server_ct2_vs_ct2" in med else "")),
         table(["system", "texts/s (median)", "texts/s per round", "p50 ms per round"], rows),
         table(["ratio", "median", "per round"],
               [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"])] for k in med]),
@@ -329,7 +332,8 @@ def cpu_split(data: dict) -> str:
         "### Where a served text's time goes",
         ("Milliseconds per answered text over each server round of the score (median of the rounds). CPU time: "
          "`client` is the load generator, `server parent` the server's gRPC process (gRPC, the text pipeline, "
-         "dispatch to the workers), `workers` its engine worker processes (from the server's own metrics). "
+         "dispatch to the workers; with `--backend ct2` also CTranslate2's decoding, which runs in it), `workers` its "
+         "engine worker processes (from the server's own metrics). "
          "`encode` … `cache` split the workers' engine loops by phase, in their thread's wall time. CTranslate2 "
          f"offline, its best setting of each round, takes {ct2:.2f} core-ms per text (cores ÷ texts/s); "
          "`÷ CTranslate2` is the served text's CPU over that."),

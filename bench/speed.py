@@ -12,7 +12,10 @@ machine load:
      by phase (encoder, decoder, search, cache) is where the rest goes. Each server round also
      splits its own CPU per text: the client, the server's parent process (gRPC, the text
      pipeline, dispatch to the workers), the worker processes and their engine loops' phases,
-     read from the server's metrics. Medians over rounds, and the ratios per round.
+     read from the server's metrics. Medians over rounds, and the ratios per round. The same
+     server with `--backend ct2` (CTranslate2's own engine and replicas behind our gRPC service)
+     splits the gap to CTranslate2 offline: what the service around an engine costs, whatever
+     the engine.
   2. the sweep: texts/s against the number of callers (1, 4, 16, 64, 256) for the server with
      defaults and for CTranslate2 answering each caller's one sentence itself (all replicas x one
      thread; callers are threads, CTranslate2 releases the GIL). One caller's p50 latency is the
@@ -149,10 +152,10 @@ class EngineOffline:
 
 
 # ---- the servers ---------------------------------------------------------------------------------
-def start_server(name: str, model: str, args, log_dir: Path) -> ServerProcess:
-    """Default flags but for the caches (off: the texts repeat) and the ports (free, loopback)."""
+def start_server(name: str, model: str, args, log_dir: Path, extra: tuple[str, ...] = ()) -> ServerProcess:
+    """Default flags but for the caches (off: the texts repeat) and the ports (free, loopback), plus `extra`."""
     metrics_port = free_port()
-    flags = ["--models-dir", str(args.models_dir), "--models", model, "--metrics-port", str(metrics_port),
+    flags = [*extra, "--models-dir", str(args.models_dir), "--models", model, "--metrics-port", str(metrics_port),
              "--http-port", "0", "--cache-mb", "0", "--result-cache", "0"]
     if args.build_cache:
         flags += ["--build-cache", str(args.build_cache)]
@@ -201,7 +204,8 @@ def measure(args, log_dir: Path) -> dict:
     ct2 = {f"ct2-int8-1x{cores}": Ct2Offline(ct2_repo, cores, 1), f"ct2-int8-{cores}x1": Ct2Offline(ct2_repo, 1, cores)}
     plan = window(args.seconds, args.warmup)
     servers = {"server-vanilla": (start_server("vanilla", args.model, args, log_dir), args.model),
-               "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret)}
+               "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret),
+               "server-ct2": (start_server("ct2", args.model, args, log_dir, ("--backend", "ct2")), args.model)}
     engine = EngineOffline(args)
     rounds = []
     try:
@@ -228,7 +232,8 @@ def measure(args, log_dir: Path) -> dict:
                                                        / row["engine-offline"]["texts_per_s"], 3),
                              "engine_vs_ct2": round(row["engine-offline"]["texts_per_s"] / row[best]["texts_per_s"], 3),
                              "gret_vs_vanilla": round(row["server-gret"]["texts_per_s"]
-                                                      / row["server-vanilla"]["texts_per_s"], 3)}
+                                                      / row["server-vanilla"]["texts_per_s"], 3),
+                             "server_ct2_vs_ct2": round(row["server-ct2"]["texts_per_s"] / row[best]["texts_per_s"], 3)}
             rounds.append(row)
         sweep = {"server": {}, "ct2": {}}
         sweep_plan = window(args.sweep_seconds, args.warmup)
@@ -246,7 +251,8 @@ def measure(args, log_dir: Path) -> dict:
             server.stop()
     return {"rounds": rounds, "engine_setting": engine.setting, "sweep": sweep, "resident_mb": memory, "cores": cores,
             "medians": {key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
-                        for key in ("server_vs_ct2", "engine_vs_ct2", "gret_vs_vanilla", "server_vs_engine")},
+                        for key in ("server_vs_ct2", "engine_vs_ct2", "gret_vs_vanilla", "server_vs_engine",
+                                    "server_ct2_vs_ct2")},
             "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
                             for name in rounds[0] if name != "ratios"}}
 
