@@ -76,5 +76,25 @@ def test_the_gret_account_lists_only_gret_systems_of_every_study_and_judges_them
     assert [r.split("|")[2].strip() for r in rows] == ["`gret-warm`", "`gret-scratch`"]  # no control, no mvPE
     assert "continued from the 1850-step baseline" in rows[0] and "from scratch" in rows[1]
     assert "test_2016_flickr +0.46 (p 0.129)" in rows[0] and "capsule + aggregate + gate" in rows[1]
-    assert "Met: the largest Δ on test_2016_flickr is +1.20 (`gret-scratch`" in "\n".join(lines)
+    assert "**Not met**: `gret-scratch` gains +1.20 on test_2016_flickr (p 0.030), but the probe has not judged it" \
+        in "\n".join(lines)
     assert gret_account([payload(system("mvpe", 0.9, 0.07, pe_k=280))]) == []  # no GRET system, no section
+
+
+def probed(name: str, mean_cost: float, p: float) -> dict:
+    """training.gret_probe's entry for one system: the mean s^M costs `mean_cost` (p)."""
+    return {"name": name, "uses_global_state": mean_cost >= 0.5 and p < 0.05,
+            "ablations": {"mean": {"vs_trained": {"delta": mean_cost, "p_value": p}}}}
+
+
+def test_the_gret_target_is_met_only_by_a_gain_from_a_system_that_reads_its_sentences_global_state():
+    bias = system("gret-bias", 1.2, 0.01, capsule=True, aggregate=True)  # gains, but the mean s^M does as well
+    reader = system("gret-reader", 0.1, 0.4, capsule=True, aggregate=True, gate=True)  # reads s^M, gains nothing
+    probes = {"gret-bias": probed("gret-bias", 0.3, 0.2), "gret-reader": probed("gret-reader", 1.6, 0.001)}
+    text = "\n".join(gret_account([payload(bias, reader)], probes))
+    assert "| no: +0.30, p 0.200 |" in text and "| **yes**: +1.60, p 0.001 |" in text
+    assert ("**Not met**: `gret-bias` gains +1.20 on test_2016_flickr (p 0.010), but the probe finds it does not "
+            "read its sentence's s^M (the mean s^M costs +0.30, p 0.200)") in text
+    both = system("gret-both", 1.1, 0.02, capsule=True, aggregate=True)
+    text = "\n".join(gret_account([payload(bias, both)], probes | {"gret-both": probed("gret-both", 0.8, 0.01)}))
+    assert "Met: `gret-both` gains +1.10 on test_2016_flickr (p 0.020) and reads s^M (**yes**: +0.80, p 0.010)." in text
