@@ -293,20 +293,21 @@ def gret_verdict(best: list[tuple], probes: dict[str, dict]) -> str:
     if gains:
         _, delta, p, name, split = gains[0]
         return (f"**Not met**: `{name}` gains {delta:+.2f} on {split} (p {p:.3f}), but "
-                + (f"the probe finds it does not read its sentence's s^M (the mean s^M costs "
-                   f"{probes[name]['ablations']['mean']['vs_trained']['delta']:+.2f}, p "
-                   f"{probes[name]['ablations']['mean']['vs_trained']['p_value']:.3f})" if name in probes
-                   else "the probe has not judged it") + "; no system that reads s^M gains enough.")
+                + (f"the probe finds it does not read its sentence's s^M (the mean s^M costs {mean_cost(probes[name])})"
+                   if name in probes else "the probe has not judged it") + "; no system that reads s^M gains enough.")
     _, delta, p, name, split = max(best)
     return f"**Not met**: the largest Δ on {split} is {delta:+.2f} (`{name}`, p {p:.3f})."
 
 
 def reads_text(probe: dict | None) -> str:
     """A system's probe verdict with the mean replacement's cost, or that it was not probed."""
-    if probe is None:
-        return "not probed"
+    return "not probed" if probe is None else f"{uses_text(probe)}: {mean_cost(probe)}"
+
+
+def mean_cost(probe: dict) -> str:
+    """What the mean s^M in place of each sentence's own costs, with its p."""
     mean = probe["ablations"]["mean"]["vs_trained"]
-    return f"{uses_text(probe)}: {mean['delta']:+.2f}, p {mean['p_value']:.3f}"
+    return f"{mean['delta']:+.2f}, p {mean['p_value']:.3f}"
 
 
 def gret_probe_lines(payload: dict) -> list[str]:
