@@ -234,7 +234,8 @@ gret_u() {
 }
 # at 10600 steps the light variant beats its control by +1.08 on test_2016 (p 0.017), +1.56 on test_2017, and still
 # does not read s^M (the probe: the mean costs 0.37, p 0.171); its val BLEU at beam 4 (43.04) is below the shipped
-# 5300-step model's (43.46). Evaluation:
+# 5300-step model's (43.46; python -m training.ship --checkpoint runs/deen-gret-light-mvpe-pos-drop3-10600 --out
+# /tmp/ship-light-10600 measures it without shipping). Evaluation:
 #   python -m training.study evaluate --name translation-scratch-drop3-10600 --control runs/deen-scratch-control-drop3-10600 \
 #     --systems runs/deen-gret-light-mvpe-pos-drop3-10600 --threads 2
 #   python -m training.gret_probe --systems runs/deen-gret-light-mvpe-pos-drop3-10600 --name gret-probe-drop3-10600-light --threads 2
