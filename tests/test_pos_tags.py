@@ -123,6 +123,18 @@ def test_a_word_outside_the_lexicon_is_analysed_once_and_tagged_the_same_again()
     assert analyses.cache_info().misses == misses
 
 
+@pytest.mark.parametrize("lang,other", [("de", "en"), ("en", "de")])
+def test_our_viterbi_finds_hantas_own_tags(lang, other):
+    """The tagger's search visits only a word's possible tags; on real sentences (and ones with
+    words HanTa cannot analyse) it returns exactly what HanTa's tag_sent does."""
+    tagger = pt.Tagger(lang)
+    texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", lang, other)[:400]]
+    texts += ["Xqzvbn wlkjh 123 ?!", "zzz", "A"]
+    for text in texts:
+        words = [text[b:e] for b, e in tagger.tokenize(text)]
+        assert pt._viterbi(tagger._model, words) == tagger._model.tag_sent_viterbi(words)
+
+
 def test_a_word_of_thousands_of_characters_is_tagged_as_its_first_word_chars():
     """HanTa's analysis is quadratic in a word's length (4000 characters: about a minute); it sees
     WORD_CHARS of them, so a request cannot stall the tagger, and no word of the corpora is cut."""

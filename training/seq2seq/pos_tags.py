@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import math
 import os
 import re
 import unicodedata
@@ -136,6 +137,59 @@ def _hanta(filename: str):
     return model
 
 
+def _viterbi(model, words: list[str]) -> list[int]:
+    """HanTa's tag sequence for a sentence, the one its tag_sent finds, in about a third of the time.
+
+    The model is a second-order HMM: a state is the pair (previous tag, tag), and a word may take
+    only the tags its analysis allows. HanTa's own search tries every one of the ~56 successor tags
+    of each live state and then discards all but the word's few; this loop visits only the word's
+    tags, in the same order, with HanTa's pruning (states within 1 of the sixth best), sums and
+    tie-breaking, so the tags are the same. Tagging is the GRET model's largest cost in the
+    server's front end.
+    """
+    floor = -1e6
+    transitions = model.LP_trans_word
+    row, back = {(_EMPTY, _START): 0.0}, []
+    for i, word in enumerate(words):
+        candidates = _emissions(model, word, i > 0)
+        bound = sorted(row.values(), reverse=True)[5] - 1 if len(row) > 5 else floor
+        new_row, pointers = {}, {}
+        for state, lp0 in row.items():
+            if lp0 < bound:
+                continue
+            successors, previous = transitions[state], state[1]
+            for tag, emission in candidates:
+                transition = successors.get(tag)
+                if transition is None:
+                    continue
+                lp = lp0 + transition + emission
+                nxt = (previous, tag)
+                best = new_row.get(nxt)
+                if lp > floor and (best is None or lp > best):
+                    new_row[nxt], pointers[nxt] = lp, state
+        row = new_row
+        back.append(pointers)
+    state = max(row, key=lambda s: row[s] + transitions[s].get(_END, -math.inf))  # the first of equals, as HanTa
+    tags = []
+    for pointers in reversed(back):
+        tags.append(state[1])
+        state = pointers[state]
+    return tags[::-1]
+
+
+_EMPTY, _START, _END, _UNKNOWN = 0, 1, 2, 3  # HanTa's reserved tag ids
+
+
+@functools.lru_cache(maxsize=ANALYSES)
+def _emissions(model, word: str, case_sensitive: bool) -> list[tuple[int, float]]:
+    """(tag, log emission score) for each tag the word may take, in the order HanTa tries them
+    (every state lists its successors in one order). A word HanTa cannot analyse may take any
+    tag, free (so does one whose tags no state can reach, where HanTa's own search fails)."""
+    emissions = dict(model._tag_word(word, cutoff=5, casesensitive=case_sensitive, conditional=True))
+    order = [t for t in next(iter(model.LP_trans_word.values())) if t != _END]
+    return [(t, emissions[t]) for t in order if t in emissions] or [(t, 0) for t in order]
+
+
 @functools.lru_cache(maxsize=None)
 def _jieba_posseg():
     import jieba
@@ -175,8 +229,10 @@ class Tagger:
         if self.lang == "zh":
             self._posseg = _jieba_posseg()
         else:
-            filename, self._table = _HANTA_MODELS[self.lang]
+            filename, table = _HANTA_MODELS[self.lang]
             self._model = _hanta(filename)
+            self._hanta_upos = {i: self._to_id(_HANTA_BRACKETS.sub(r"\1", tag), table)
+                                for i, tag in self._model.int2tag.items()}
 
     def tag_words(self, words: list[str]) -> list[int]:
         """UPOS ids for an already tokenised sentence (same length)."""
@@ -190,8 +246,7 @@ class Tagger:
         else:
             # HanTa knows ASCII apostrophes only.
             clean = [w[:WORD_CHARS].replace("’", "'") for w in words]
-            tags = self._model.tag_sent(clean, taglevel=0)
-            raw = [self._to_id(_HANTA_BRACKETS.sub(r"\1", t), self._table) for t in tags]
+            raw = [self._hanta_upos[t] for t in _viterbi(self._model, clean)]
         return [_char_class_tag(w) or t for w, t in zip(words, raw)]
 
     def tag_text(self, text: str) -> list[tuple[int, int, int]]:
