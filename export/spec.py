@@ -120,12 +120,21 @@ def export_digest(cfg: ModelConfig) -> str:
     repositories are cached under it, so new code never serves an old export."""
     shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
     digest = hashlib.sha256(json.dumps(shapes).encode())
-    from training.seq2seq import layers, model  # the traced decoder step is the model's own (Seq2Seq.step_rows)
-
-    sources = [Path(__file__).parent / m for m in ("graphs.py", "onnx_export.py", "quantize.py", "manifest.py")]
-    for path in sources + [Path(layers.__file__), Path(model.__file__)]:
+    for path in export_sources():
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
+
+
+def export_sources() -> list[Path]:
+    """The code the exported graphs are traced from: the exporter's own, and all of the model's,
+    kernels' references included (every architecture's modules and their dispatch)."""
+    import kernels
+    from training import seq2seq
+
+    sources = [Path(__file__).parent / m for m in ("graphs.py", "onnx_export.py", "quantize.py", "manifest.py")]
+    for package in (seq2seq, kernels):
+        sources += sorted(Path(package.__file__).parent.glob("*.py"))
+    return sources
 
 
 def unclaimed_weights(parameter_names: list[str], specs: tuple[GraphSpec, ...]) -> list[str]:

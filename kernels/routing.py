@@ -80,9 +80,9 @@ def capsule_routing_unfolded(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor
     b = torch.zeros(g, k, s, dtype=torch.float32, device=h.device)
     for t in range(iters):
         coupling = torch.softmax((scale * b).masked_fill(pad[:, None, :], float("-inf")), -1).to(h.dtype)
-        u = squash((coupling[:, :, None, :] @ u_hat)[:, :, 0])  # (G, K, d_c)
+        u = squash((coupling[:, :, None, :] @ u_hat).squeeze(2))  # (G, K, d_c); squeeze, not [:, :, 0]: no Gather copy
         if t < iters - 1:
-            b = b + (u_hat @ u[..., None])[..., 0].float()
+            b = b + (u_hat @ u[..., None]).squeeze(3).float()
     return u
 
 

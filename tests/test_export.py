@@ -6,8 +6,10 @@ Parity tolerance: log-probabilities within atol 1e-4 + rtol 1e-4 (fp32; observed
 about 1e-5, from ONNX Runtime's fused kernels and a different summation order)."""
 from __future__ import annotations
 
+import inspect
 import json
 from collections import Counter
+from pathlib import Path
 
 import onnx
 import pytest
@@ -17,7 +19,7 @@ from export.__main__ import main as export_main
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
-from export.spec import decoder_spec, encoder_spec
+from export.spec import decoder_spec, encoder_spec, export_sources
 from server.engine.topk import row_topk
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from training.corpora import load_examples
@@ -179,6 +181,21 @@ def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, sp
     log_probs8, _ = int8.decode_step(tokens, 0, enc8, None)
     for got, expected in ((enc8.global_state, enc.global_state), (log_probs8, log_probs)):
         assert (got - expected).norm() < 0.1 * expected.norm()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_build_key_covers_the_code_of_every_module_the_graphs_are_traced_from(name):
+    """Servers cache exports under export_digest, which hashes export_sources(): a change to any
+    module of any architecture (or to the kernels' references they call) must change the key,
+    or the server would go on serving the export of the old code."""
+    covered = {path.resolve() for path in export_sources()}
+    model = Seq2Seq(tiny_config(name))
+    for module in model.modules():
+        if type(module).__module__.split(".")[0] in ("training", "kernels", "export"):  # ours, not torch's
+            source = Path(inspect.getsourcefile(type(module))).resolve()
+            assert source in covered, f"{type(module).__name__} ({source}) is not in the build key"
+    for function in (model.encode, model.step_rows):
+        assert Path(inspect.getsourcefile(function)).resolve() in covered
 
 
 def test_the_step_attends_with_group_query_attention_and_copies_no_logits(tmp_path, spm_bytes):

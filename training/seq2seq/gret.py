@@ -54,8 +54,8 @@ class GlobalState(nn.Module):
         if self.cfg.pooling == "mean":
             return self.pool_out(u.mean(1))
         query = self.pool_query(u.mean(1))
-        a = torch.softmax((u @ query[:, :, None])[:, :, 0], -1)  # (B, K): matmuls, not einsum (kernels.routing)
-        return self.pool_out((a[:, None] @ u)[:, 0])
+        a = torch.softmax((u @ query[:, :, None]).squeeze(2), -1)  # (B, K): matmuls, not einsum (kernels.routing)
+        return self.pool_out((a[:, None] @ u).squeeze(1))
 
     def routed_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
         """The encoder layers that are routed (all of them with `aggregate`, else the last only)."""
