@@ -177,14 +177,15 @@ def _viterbi(model, words: list[str]) -> list[int]:
     return tags[::-1]
 
 
-_EMPTY, _START, _END, _UNKNOWN = 0, 1, 2, 3  # HanTa's reserved tag ids
+_EMPTY, _START, _END = 0, 1, 2  # HanTa's reserved tag ids
 
 
 @functools.lru_cache(maxsize=ANALYSES)
 def _emissions(model, word: str, case_sensitive: bool) -> list[tuple[int, float]]:
     """(tag, log emission score) for each tag the word may take, in the order HanTa tries them
-    (every state lists its successors in one order). A word HanTa cannot analyse may take any
-    tag, free (so does one whose tags no state can reach, where HanTa's own search fails)."""
+    (every state lists its successors in one order). A word HanTa cannot analyse (no tag, or
+    only its UNKNOWN, which is no state's successor) may take any tag, free; so may one whose tags
+    no state can reach, where HanTa's own search would fail."""
     emissions = dict(model._tag_word(word, cutoff=5, casesensitive=case_sensitive, conditional=True))
     order = [t for t in next(iter(model.LP_trans_word.values())) if t != _END]
     return [(t, emissions[t]) for t in order if t in emissions] or [(t, 0) for t in order]
