@@ -37,10 +37,9 @@ from .registry import ModelNotFound, Registry
 log = logging.getLogger("server.service")
 
 DEADLINE_SLACK_S = 0.25
-# POS tagging (HanTa's model, pure Python) takes about 0.1 ms per short sentence; handing a call to
-# the executor costs about as much again in thread switches. Requests up to this many characters (a few
-# sentences) are tagged on the event loop; longer ones, whose tagging would stall every other
-# call, in the executor.
+# POS tagging (HanTa's model, pure Python) of a short sentence costs about what handing the call to
+# the executor costs in thread switches. Requests up to this many characters (a few sentences) are
+# tagged on the event loop; longer ones, whose tagging would stall every other call, in the executor.
 INLINE_TAGGING_CHARS = 256
 FAILURE_CODES = {DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED, CANCELLED: grpc.StatusCode.CANCELLED,
                  UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}

@@ -246,8 +246,9 @@ gret_u() {
 
 # Gigaword from scratch (the paper's largest gains are on summarisation): the two Multi30K variants, the gated
 # one (reads s^M) and the light one (gains), each trained exactly as the shipped summariser (giga-v4k). Their
-# control is models/gigaword-headlines itself: training repeats exactly (giga-vocab retrains it to the same
-# losses), so the shipped weights are the control's, rounded to fp16
+# control is models/gigaword-headlines itself: training repeats exactly (giga-vocab's recipe, rerun for 100 steps,
+# logs the loss and gradient norm of its train_log.jsonl; docs/GRET.md), so the shipped weights are the control's,
+# rounded to fp16
 gret_v() {
   run giga-v4k-gret-gated 2500 $GIGA_V4K --gret capsule,aggregate,gate --global-norm --global-zero-bias \
     --routing-scale --gate-bias-init 0 --global-bow 0.2
