@@ -56,7 +56,25 @@ class DecoderGraph(nn.Module):
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
         log_probs, present = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
                                          named["group_rows"], named["row_slot"], enc, past)
-        return (log_probs, *(t for kv in present for t in kv), *log_probs.topk(named["top_k"], -1))
+        return (log_probs, *(t for kv in present for t in kv), *block_topk(log_probs, named["top_k"]))
+
+
+def block_topk(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k, -1) over rows (R, V) as ONNX's TopK orders it (best first, of equal values the
+    lower index first), in two small passes instead of one over the whole row: ONNX Runtime's
+    TopK is slow over a vocabulary-sized row, where ReduceMax is one plain pass. The row is cut into
+    blocks; each of the k best values lies in one of the k blocks with the best maxima (a block
+    left out has k blocks whose maxima rank above everything in it), so TopK runs over the block
+    maxima and then over those k blocks, gathered in index order so that ties resolve as before.
+    A vocabulary with no divisor in [16, 64] keeps the plain TopK."""
+    block = next((b for b in range(64, 15, -1) if x.shape[1] % b == 0), None)
+    if block is None:
+        return x.topk(k, -1)
+    blocks = x.shape[1] // block
+    chosen = x.reshape(-1, blocks, block).amax(-1).topk(torch.clamp(k, max=blocks), -1).indices.sort(-1).values
+    columns = (chosen[:, :, None] * block + torch.arange(block)).flatten(1)  # (R, k * block), ascending
+    values, at = x.gather(1, columns).topk(k, -1)
+    return values, columns.gather(1, at)
 
 
 def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,10 +12,12 @@ from collections import Counter
 from pathlib import Path
 
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
 from export.__main__ import main as export_main
+from export.graphs import block_topk
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export.onnx_runtime import OnnxModel, beam_search, greedy
@@ -159,6 +161,34 @@ def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path,
         expected = row_topk()(log_probs, top_k)
         assert torch.equal(values, expected[0]) and torch.equal(tokens, expected[1])
         assert torch.equal(log_probs.gather(1, tokens), values)
+
+
+def test_the_graphs_blockwise_top_k_is_onnx_topk_ties_included(tmp_path):
+    """The decoder graph picks its top_k in two passes (the best blocks of the row, then the best
+    of those blocks): exported, it gives exactly ONNX's TopK over the whole row, values and tokens,
+    also where equal values straddle blocks (the lower index first, even in a block whose maximum
+    ranks lower) and where a whole row is one value, for vocabularies cut into blocks of 64 and of 50."""
+    class TopK(torch.nn.Module):
+        def forward(self, x, k):
+            return block_topk(x, k)
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (8000, 4000):
+        path = tmp_path / f"topk{vocab}.onnx"
+        torch.onnx.export(TopK(), (torch.randn(3, vocab), torch.tensor([5])), str(path), dynamo=False,
+                          input_names=["x", "k"], output_names=["values", "tokens"], dynamic_axes={"x": {0: "rows"}})
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        x = torch.randn(6, vocab, generator=g).log_softmax(-1)
+        x[0, [10, vocab // 2, vocab - 1]] = 0.0  # one best value in three blocks
+        x[1] = -3.0  # a row of one value
+        x[2, 100:300] = -0.5  # a run of equal best values across blocks
+        x[3, ::64] = -0.25  # equal best values, one per block
+        x[4, [650, 651, 5]] = torch.tensor([0.0, -0.1, -0.1])  # a tie between the best block and a lower one
+        for k in (1, 8, 32):
+            values, tokens = session.run(None, {"x": x.numpy(), "k": torch.tensor([k]).numpy()})
+            expected = row_topk()(x, k)
+            assert torch.equal(torch.from_numpy(values), expected[0])
+            assert torch.equal(torch.from_numpy(tokens), expected[1])
 
 
 def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, spm_bytes):
