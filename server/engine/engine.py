@@ -138,13 +138,20 @@ class Engine:
             self._cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new work, fail what is left with UNAVAILABLE, and end the thread."""
+        """Refuse new work, fail what is left with UNAVAILABLE, and end the thread (an engine that
+        its caller drives, never started, fails what is left here)."""
         with self._cond:
             self.accepting = False
             self._stop = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        elif self._thread.ident is None:
+            self._fail_all([], UNAVAILABLE, self._stopped)
+
+    @property
+    def _stopped(self) -> str:
+        return f"model {self.name} stopped before this text was decoded"
 
     def idle(self) -> bool:
         with self._cond:
@@ -159,7 +166,7 @@ class Engine:
                 if self._stop:
                     break
             self.iterate()
-        self._fail_all([], UNAVAILABLE, f"model {self.name} stopped before this text was decoded")
+        self._fail_all([], UNAVAILABLE, self._stopped)
 
     def iterate(self) -> None:
         """One turn of the loop: drop, admit + encode, one decoder step. The thread calls it;

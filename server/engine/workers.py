@@ -3,7 +3,7 @@
 Thread replicas (engine.Replicas) share one interpreter, so the beam search between decoder
 steps, which is Python, runs one loop at a time. Here each replica is a process, started with
 `spawn` (the parent runs gRPC threads; a fork would copy their locks), that loads the model
-repository itself (the ONNX files are read-only) and runs an unchanged Engine on its own thread.
+repository itself (the ONNX files are read-only) and drives an unchanged Engine on its one thread.
 Parent and worker exchange small messages over a pipe, never a model:
 
     parent -> worker   ("submit", [Job])   ("cancel", [sequence id])   ("stop", None)
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import queue
 import signal
 import threading
 import time
@@ -327,17 +326,17 @@ class Reporter(Observer):
     """The worker engine's reports, sent to the parent (whose observer feeds the metrics).
     Finished texts are reported by on_done instead: the parent records them itself. Reports are
     held until the loop's turn ends and leave together: one pipe write and one wake-up of the
-    parent per turn, not one per report. Only the engine's thread reports."""
+    parent per turn, not one per report."""
 
-    def __init__(self, outbox: queue.SimpleQueue):
-        self.outbox, self.held, self.engine, self.waiting = outbox, [], None, None
+    def __init__(self, conn):
+        self.conn, self.held, self.engine, self.waiting = conn, [], None, None
 
     def send(self, kind: str, body) -> None:
         self.held.append((kind, body))
 
     def turn_ended(self) -> None:
         if self.held:
-            self.outbox.put(self.held)
+            self.conn.send(self.held)
             self.held = []
 
     def queue_depth(self, n: int) -> None:
@@ -353,8 +352,13 @@ class Reporter(Observer):
 
 
 def serve(spec: WorkerSpec, conn) -> None:
-    """The worker process: load the model, start the engine loop, then turn the parent's messages
-    into engine calls until it says stop or goes away."""
+    """The worker process: load the model, then, on its one thread, alternate between the parent's
+    messages and turns of the engine loop until the parent says stop or goes away.
+
+    One thread, not a reader and an engine thread: a message that arrives while the engine works
+    waits in the pipe for the end of the turn (where the engine would take it anyway), so neither
+    the parent's write nor the hand-over wakes a sleeping thread. Each wake-up is a futex or pipe
+    round trip through the kernel, paid per text. Only an idle worker sleeps, in the pipe's read."""
     import torch
 
     from .encoder_cache import EncoderCache
@@ -365,44 +369,14 @@ def serve(spec: WorkerSpec, conn) -> None:
 
     torch.set_num_threads(1)  # torch only does the engine's bookkeeping (server/__main__.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent drains and stops us
-    # Reports leave through one sender thread, so the engine never blocks on the pipe (while it
-    # holds its lock, a blocked send could wait on a parent that waits on this worker).
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def forward() -> None:  # what piled up while the pipe was busy goes as one message: fewer wake-ups there
-        last = False
-        while not last and (messages := outbox.get()) is not None:
-            while not outbox.empty():
-                more = outbox.get()
-                if more is None:
-                    last = True
-                    break
-                messages += more
-            conn.send(messages)
 
     def on_done(seq: Sequence) -> None:
         live.pop(seq.id, None)
         reporter.send("done", Outcome(seq.id, seq.status, seq.message, seq.finished, seq.step, seq.admitted,
                                       seq.encoded, seq.cache_hit))
 
-    sender = threading.Thread(target=forward, daemon=True)
-    sender.start()
-    reporter = Reporter(outbox)
-    engine = Engine(make_backend(spec, spec.backend, spec.precision, spec.threads), spec.version,
-                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share),
-                    EncoderCache(spec.cache_bytes),
-                    reporter, spec.name)
-    reporter.engine = engine
-    live: dict[int, Sequence] = {}
-    engine.start()
-    outbox.put([("ready", None)])
-    while True:
-        try:
-            kind, body = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            break
-        if kind == "stop":
-            break
+    def handle(kind: str, body) -> bool:
+        """One message from the parent; False: stop."""
         if kind == "submit":
             seqs = [Sequence(j.src, j.options, j.max_len, on_done, tags=j.tags, deadline=j.deadline, priority=j.priority,
                              id=j.id) for j in body]
@@ -410,9 +384,26 @@ def serve(spec: WorkerSpec, conn) -> None:
             engine.enqueue(seqs)
         elif kind == "cancel":
             for seq in filter(None, map(live.get, body)):
-                seq.cancelled = True
-            engine.wake()
-    engine.stop()
-    reporter.turn_ended()  # what the loop reported as it stopped: the texts it failed
-    outbox.put(None)
-    sender.join(10)
+                seq.cancelled = True  # its rows leave at the next turn
+        return kind != "stop"
+
+    reporter = Reporter(conn)
+    engine = Engine(make_backend(spec, spec.backend, spec.precision, spec.threads), spec.version,
+                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share),
+                    EncoderCache(spec.cache_bytes),
+                    reporter, spec.name)
+    reporter.engine = engine
+    live: dict[int, Sequence] = {}
+    conn.send([("ready", None)])
+    going = True
+    while going:
+        try:
+            if conn.poll(None if engine.idle() else 0):  # block only when there is nothing to decode
+                while going and conn.poll(0):
+                    going = handle(*conn.recv())
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if going and not engine.idle():
+            engine.iterate()
+    engine.stop()  # never started: it fails what it still holds
+    reporter.turn_ended()  # the texts it failed
