@@ -2,8 +2,9 @@
 
 A call becomes one Document per text (server.pipeline: a translation's sentences, a summary's
 whole text), each decoded as one Sequence per segment, all of them in the model's engine at once;
-the handler awaits the documents. Each sequence's on_done runs on the engine thread and only hands
-the result to the event loop, where a document is done once all its sequences are. A
+the handler awaits the documents. Each sequence's on_done hands the result to the event loop (or
+runs there, where the loop reads worker processes' reports), where a document is done once all its
+sequences are. A
 client that cancels, or a deadline that passes, marks the sequences so the engine drops their
 rows at its next step. Status codes: INVALID_ARGUMENT (texts, options, priority), NOT_FOUND (model),
 RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED, CANCELLED; INTERNAL
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -239,7 +241,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        loop = asyncio.get_running_loop()
+        loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
         texts = list(request.texts)
         split = task == "translate" and not request.as_one_sequence
         markup = task == "translate" and request.format == pb.HTML
@@ -247,8 +249,11 @@ class InferenceService(pb_grpc.InferenceServicer):
         futures = [loop.create_future() for _ in texts]
         owner: dict[int, int] = {}  # sequence id -> its text's index
 
-        def on_done(seq: Sequence) -> None:  # engine thread
-            loop.call_soon_threadsafe(settle, owner[seq.id], seq)
+        def on_done(seq: Sequence) -> None:  # an engine thread, or the loop (where it reads worker processes' reports)
+            if threading.get_ident() == loop_thread:
+                settle(owner[seq.id], seq)
+            else:
+                loop.call_soon_threadsafe(settle, owner[seq.id], seq)
 
         def settle(i: int, seq: Sequence) -> None:  # event loop
             doc = call.docs[i]

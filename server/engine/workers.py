@@ -11,14 +11,16 @@ Parent and worker exchange small messages over a pipe, never a model:
                        ("stepped", (rows, seconds, Totals))   ("done", Outcome)
 
 A submit carries one call's texts for this worker (its line in the worker's scheduler). The
-parent keeps what the service sees: the Sequences (their on_done runs on the worker's
-supervisor thread), the result cache (consulted before dispatch, so repeats never reach a
+parent keeps what the service sees: the Sequences (their on_done runs where the reports are
+read: the server's event loop, else the worker's supervisor thread), the result cache (consulted before dispatch, so repeats never reach a
 worker) and the metrics observer (fed with the workers' reports). A worker that exits fails its
 texts with UNAVAILABLE and is started again. time.monotonic is the system-wide CLOCK_MONOTONIC
 on Linux, so deadlines and timings cross the process boundary unchanged.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import multiprocessing
 import signal
@@ -107,6 +109,8 @@ class WorkerReplicas:
         self.accepting = True
         self.stopping = False
         self.lock = threading.Lock()  # pending texts and the pipes: one submission at a time
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the pipes, if any
+        self.loop_thread: int | None = None
 
     @property
     def steps(self) -> int:
@@ -130,7 +134,12 @@ class WorkerReplicas:
             return sum(max(0, len(w.pending) - w.waiting) for w in self.workers)
 
     def start(self, timeout: float = 300) -> "WorkerReplicas":
-        """Starts every worker and waits until each has loaded the model."""
+        """Starts every worker and waits until each has loaded the model. Started on an event loop
+        (the server's), the loop reads the workers' reports once they are ready: while it is busy,
+        a report waits in the pipe for its next turn and wakes no thread. Else each worker's
+        supervisor thread reads them."""
+        with contextlib.suppress(RuntimeError):
+            self.loop, self.loop_thread = asyncio.get_running_loop(), threading.get_ident()
         for w in self.workers:
             w.thread.start()
         for w in self.workers:
@@ -180,6 +189,9 @@ class WorkerReplicas:
             for w in self.workers:
                 if w.conn is not None:
                     w.send("stop", None)
+        if self.loop_thread == threading.get_ident():  # the loop that would read their last reports waits here
+            for w in self.workers:
+                w.read_to_end(timeout)
         for w in self.workers:
             if w.thread.is_alive():
                 w.thread.join(timeout)
@@ -226,6 +238,7 @@ class Worker:
         self.process = self.conn = None
         self.ready = threading.Event()  # the worker takes texts
         self.started = threading.Event()  # the first start succeeded or failed (error)
+        self.closed = threading.Event()  # the event loop read the pipe to its end
         self.error = ""
         self.thread = threading.Thread(target=self._supervise, daemon=True, name=f"worker-{group.name}-{index}")
 
@@ -249,9 +262,13 @@ class Worker:
             self.process.start()
             child.close()  # so that the worker's exit reads as EOF here
             try:
-                while True:
-                    for message in self.conn.recv():  # the worker sends its reports in batches
-                        self._handle(*message)
+                while not self.ready.is_set():  # here, not on the loop: start() may be holding it
+                    self._receive()
+                if self._hand_to_loop():
+                    self.closed.wait()
+                else:
+                    while True:
+                        self._receive()
             except (EOFError, OSError):
                 pass
             self.process.join()
@@ -264,6 +281,50 @@ class Worker:
                 return
             if not self.group.stopping:
                 time.sleep(RESTART_DELAY_S)
+
+    def _receive(self) -> None:
+        for message in self.conn.recv():  # the worker sends its reports in batches
+            self._handle(*message)
+
+    def _hand_to_loop(self) -> bool:
+        """From now on the group's event loop reads the pipe; False: there is none (or it has closed)."""
+        loop = self.group.loop
+        if loop is None:
+            return False
+        self.closed.clear()
+        try:
+            loop.call_soon_threadsafe(self._listen)
+        except RuntimeError:
+            return False
+        return True
+
+    def _listen(self) -> None:
+        if not self.closed.is_set():  # else read_to_end ran first: the pipe is done with
+            self.group.loop.add_reader(self.conn.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        """On the loop: every report waiting in the pipe. Its end (the worker exited) goes to the
+        supervisor thread, which fails what the worker held and starts another."""
+        try:
+            while self.conn.poll():
+                self._receive()
+        except (EOFError, OSError):
+            self.group.loop.remove_reader(self.conn.fileno())
+            self.closed.set()
+
+    def read_to_end(self, timeout: float | None) -> None:
+        """On the loop's thread, after the worker was told to stop: its last reports, read here
+        since the loop cannot run while its thread waits for the worker."""
+        if self.closed.is_set() or not self.ready.is_set() or self.group.loop.is_closed():
+            return
+        self.group.loop.remove_reader(self.conn.fileno())
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self.conn.poll(None if end is None else max(0.0, end - time.monotonic())):
+                self._receive()
+        except (EOFError, OSError):
+            pass
+        self.closed.set()
 
     def _lost(self, exitcode: int | None) -> None:
         group = self.group
