@@ -32,7 +32,8 @@ from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
 log = logging.getLogger("server.engine")
 
 # Where an engine loop's time goes: encoder passes, decoder steps (the backend), the search between
-# them, and moving the rows into their next step's state (forked beams' cache slots, encoder state).
+# them, and moving rows into their next step's state (forked beams' cache slots, encoder state; the
+# admitted texts' encoder state written into the batch).
 PHASES = ("encode", "decoder", "search", "cache")
 TOP_K_PHASE = "decoder"  # each row's top-k candidates are the backend's step's (benchmarks record it)
 
@@ -227,6 +228,7 @@ class Engine:
         self.seconds["encode"] += done - start
         self.observer.encoded(len(seqs), done - start)
         self.batch.join(seqs, enc)
+        self.seconds["cache"] += time.monotonic() - done  # their encoder state written into the batch's slots
 
     @torch.no_grad()
     def _step(self) -> None:
