@@ -4,9 +4,8 @@ A call becomes one Document per text (server.pipeline: a translation's sentences
 whole text), each decoded as one Sequence per segment, all of them in the model's engine at once;
 the handler awaits the documents. Each sequence's on_done hands the result to the event loop (or
 runs there, where the loop reads worker processes' reports), where a document is done once all its
-sequences are. A
-client that cancels, or a deadline that passes, marks the sequences so the engine drops their
-rows at its next step. Status codes: INVALID_ARGUMENT (texts, options, priority), NOT_FOUND (model),
+sequences are. A client that cancels, or a deadline that passes, marks the sequences so the engine
+drops their rows at its next step. Status codes: INVALID_ARGUMENT (texts, options, priority), NOT_FOUND (model),
 RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED, CANCELLED; INTERNAL
 only when decoding itself failed.
 """

@@ -148,11 +148,10 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         elif self._thread.ident is None:
-            self._fail_all([], UNAVAILABLE, self._stopped)
+            self._fail_left()
 
-    @property
-    def _stopped(self) -> str:
-        return f"model {self.name} stopped before this text was decoded"
+    def _fail_left(self) -> None:
+        self._fail_all([], UNAVAILABLE, f"model {self.name} stopped before this text was decoded")
 
     def idle(self) -> bool:
         with self._cond:
@@ -167,7 +166,7 @@ class Engine:
                 if self._stop:
                     break
             self.iterate()
-        self._fail_all([], UNAVAILABLE, self._stopped)
+        self._fail_left()
 
     def iterate(self) -> None:
         """One turn of the loop: drop, admit + encode, one decoder step. The thread calls it;

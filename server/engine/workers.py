@@ -12,9 +12,9 @@ Parent and worker exchange small messages over a pipe, never a model:
 
 A submit carries one call's texts for this worker (its line in the worker's scheduler). The
 parent keeps what the service sees: the Sequences (their on_done runs where the reports are
-read: the server's event loop, else the worker's supervisor thread), the result cache (consulted before dispatch, so repeats never reach a
-worker) and the metrics observer (fed with the workers' reports). A worker that exits fails its
-texts with UNAVAILABLE and is started again. time.monotonic is the system-wide CLOCK_MONOTONIC
+read: the server's event loop, else the worker's supervisor thread), the result cache
+(consulted before dispatch, so repeats never reach a worker) and the metrics observer (fed with
+the workers' reports). A worker that exits fails its texts with UNAVAILABLE and is started again. time.monotonic is the system-wide CLOCK_MONOTONIC
 on Linux, so deadlines and timings cross the process boundary unchanged.
 """
 from __future__ import annotations
@@ -458,10 +458,10 @@ def serve(spec: WorkerSpec, conn) -> None:
     conn.send([("ready", None)])
     going = True
     while going:
+        wait = None if engine.idle() else 0  # block only when there is nothing to decode
         try:
-            if conn.poll(None if engine.idle() else 0):  # block only when there is nothing to decode
-                while going and conn.poll(0):
-                    going = handle(*conn.recv())
+            while going and conn.poll(wait):
+                going, wait = handle(*conn.recv()), 0
         except (EOFError, OSError):  # the parent is gone
             break
         if going and not engine.idle():
