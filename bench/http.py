@@ -48,9 +48,12 @@ class HttpStub:
         try:
             writer.write(b"POST /v1/translate HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
-            length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)[1])
-            answer = json.loads(await reader.readexactly(length))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+            # arrives as the read completes, and a load loop's caller would then never stop
+            async with asyncio.timeout(timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)[1])
+                answer = json.loads(await reader.readexactly(length))
         except BaseException:  # a cancelled or broken call leaves the connection in an unknown state
             writer.close()
             raise
