@@ -410,6 +410,76 @@ def test_the_cap_never_keeps_a_call_waiting_while_nobody_else_does():
     assert scheduler.admit(running[:8]) == a[10:]  # holds 80, far over its share: alone, it still goes
 
 
+def wide(beam: int, source: int, limit: int, priority: int = 0) -> Sequence:
+    return Sequence([1] * source, DecodingOptions(beam=beam), limit, on_done=lambda s: None, priority=priority)
+
+
+def test_while_a_text_waits_for_room_other_calls_backfill_what_it_cannot_use_yet():
+    """Budget 200. A running text may write 50 tokens and has taken 10 steps: it leaves within
+    40. A's text (beam 3) needs the room it holds, so A waits, with the promise of room 40 steps
+    from now. B's short texts fit beside the running one and end within 5 steps: two are admitted
+    (a third would not fit). C's text fits now as well, but may write 45 tokens: still running at
+    the promised step, it would leave A no room, so it waits. Once the running text has left, A
+    goes first."""
+    running = wide(1, 5, 50)
+    scheduler = Scheduler(max_batch_tokens=200)
+    scheduler.add([a := wide(3, 10, 50)])
+    scheduler.add(b := [wide(1, 5, 5) for _ in range(3)])
+    scheduler.add([c := wide(1, 5, 45)])
+    assert scheduler.admit([running], clock=10) == b[:2]
+    assert scheduler.admit([], clock=50) == [a]
+    a.joined = 50
+    assert scheduler.admit([a], clock=50) == []  # C, then B's last: neither fits beside A's 180
+
+
+def test_a_call_of_short_texts_is_answered_while_a_call_of_long_wide_ones_waits_for_room():
+    """A real engine: two texts of beam 4 forced to 20 tokens fill the budget and a third of their
+    call waits for room; a later call's four texts of at most two tokens are answered meanwhile,
+    before any long one has ended, each as the offline search gives it."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model, max_batch_tokens=300)
+    long_options = DecodingOptions(beam=4, max_length=20, min_length=20)
+    short_options = DecodingOptions(beam=1, max_len_a=0.0, max_len_b=2)
+    ended = {}
+    long = [make_seq(model, src, long_options) for src in sources(model, [8, 8, 8])]
+    short = [make_seq(model, src, short_options) for src in sources(model, [5, 6, 7, 8], seed=1)]
+    for seq in long + short:
+        seq.on_done = lambda s: ended.setdefault(s, engine.steps)
+    engine.submit(long)
+    engine.iterate()
+    engine.submit(short)
+    engine.run_until_idle()
+    assert max(ended[s] for s in short) < min(ended[s] for s in long)
+    assert all(s.status == OK for s in long + short)
+    for s in short:
+        assert [h.tokens for h in s.hypotheses] == [h.tokens for h in offline(model, s.src, short_options)]
+
+
+def test_a_backfilled_text_never_makes_the_waiting_one_start_after_its_promised_step():
+    """Random calls through a budget, texts ending at random steps within their output limits: a
+    text that found no room is admitted by the step it was first promised, whatever was
+    backfilled meanwhile."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(40):
+        scheduler = Scheduler(max_batch_tokens=rng.choice([150, 300, 600]))
+        for _ in range(rng.randint(2, 6)):
+            scheduler.add([wide(rng.choice([1, 2, 4]), rng.randint(1, 20), rng.randint(1, 40))
+                           for _ in range(rng.randint(1, 6))])
+        ends, promised, clock = {}, {}, 0
+        while scheduler or ends:
+            ends = {s: end for s, end in ends.items() if end > clock}
+            for seq in scheduler.admit(list(ends), clock):
+                seq.joined = clock
+                ends[seq] = clock + rng.randint(1, seq.max_len)
+                assert clock <= promised.get(seq, clock)
+            if scheduler.promise is not None:
+                head, step = scheduler.promise
+                promised.setdefault(head, step)
+            clock += 1
+
+
 def test_a_draining_engine_finishes_its_work_and_refuses_more():
     model = tiny_model()
     engine = engine_for(model).start()

@@ -177,7 +177,7 @@ class Engine:
     def _turn(self) -> None:
         with self._cond:
             self._drop_doomed()
-            admitted = self.scheduler.admit(self.batch.seqs)
+            admitted = self.scheduler.admit(self.batch.seqs, self.steps)
             self.observer.queue_depth(self.queued())
         try:
             if admitted:
@@ -214,7 +214,7 @@ class Engine:
     def _admit(self, seqs: list[Sequence]) -> None:
         start = time.monotonic()
         for s in seqs:
-            s.admitted = start
+            s.admitted, s.joined = start, self.steps
             s.cache_hit = cache_key(self.version, s.src, s.tags) in self.cache
         parts = []
         for chunk in encoder_passes(seqs):

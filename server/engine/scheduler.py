@@ -19,8 +19,15 @@ come first served, and the next text admitted is chosen in three rules:
      turns): the room its finishing texts free goes to the others. It never leaves the batch idle:
      with nobody else waiting, or every waiting call at its share, the call whose turn it is goes.
 
-The text chosen waits until it fits (nothing overtakes it), so a long text is never passed over
-forever. A sequence larger than the whole budget runs alone.
+The text chosen waits until it fits, so a long text is never passed over forever. A sequence
+larger than the whole budget runs alone. While it waits, the room it cannot use yet is not left
+idle (backfilling, as batch schedulers do it): it is promised the step by which it surely fits,
+reckoned from each running text's output limit (a text never decodes past it), and another call
+of its priority may have its next text admitted meanwhile if that text fits now and either ends
+by that step (its own output limit) or leaves the promised room free. So a call of a few short
+texts is not held up for hundreds of steps behind a call of wide beams and long outputs, and the
+waiting text still starts by the promised step (texts that end early can only bring it forward
+when nothing was backfilled). Lower priorities never backfill: rule 1 stays strict.
 
 Policies (the server benchmark compares them on one model):
   continuous  admit at every decoder step (continuous batching, the default)
@@ -135,6 +142,7 @@ class Scheduler:
         self.policy, self.max_batch_tokens, self.max_waiting = policy, max_batch_tokens, max_waiting
         self.share = call_share * max_batch_tokens  # of the budget, what one call may hold while others wait
         self.waiting = Waiting()
+        self.promise: tuple[Sequence, int] | None = None  # the last admission's: (waiting text, by which step)
 
     def add(self, seqs: list[Sequence]) -> None:
         """One call's texts: all are queued, or none (QueueFull)."""
@@ -143,27 +151,36 @@ class Scheduler:
                             f"this request has {len(seqs)}: retry later")
         self.waiting.add(seqs)
 
-    def admit(self, running: list[Sequence]) -> list[Sequence]:
-        """Sequences to join a batch that holds `running`."""
+    def admit(self, running: list[Sequence], clock: int = 0) -> list[Sequence]:
+        """Sequences to join a batch that holds `running`; `clock` is the engine's step count, from
+        which each running text's steps left follow (Sequence.joined)."""
         if self.policy != "continuous" and running:
             return []
-        beams = sum(s.options.beam for s in running)  # batch_cost's terms, kept up to date
-        sources = sum(s.options.beam * len(s.src) for s in running)
-        width = max((s.max_len for s in running), default=0)
+        batch = Load(self.max_batch_tokens, running)
         held = Counter()  # each call's own budget (Sequence.rows_budget) in the batch: what the cap counts
         for s in running:
             held[s.call] += s.rows_budget
-        admitted = []
+        admitted, promise, self.promise = [], None, None
         while self.waiting:
-            line = self.next_line(held)
-            head = line.texts[0]
-            beam = head.options.beam
-            cost = sources + beam * len(head.src) + (beams + beam) * max(width, head.max_len)
-            if cost > self.max_batch_tokens and (running or admitted):
-                break
-            admitted.append(self.waiting.take(line))
-            beams, sources, width = beams + beam, sources + beam * len(head.src), max(width, head.max_len)
-            held[line.call] += head.rows_budget
+            if promise is None:
+                line = self.next_line(held)
+                if not batch.fits(line.texts[0]) and (running or admitted):
+                    if self.policy != "continuous" or not any(
+                            other is not line and batch.fits(other.texts[0]) for other in self.waiting.top()):
+                        break  # nothing could go before it
+                    steps_left = [(s.max_len - (clock - s.joined), s) for s in running]
+                    promise = Promise(line, steps_left + [(s.max_len, s) for s in admitted], self.max_batch_tokens)
+                    self.promise = promise.head, clock + promise.at
+                    continue
+            else:
+                line = promise.backfill(self.waiting, batch, held, self.share)
+                if line is None:
+                    break
+                promise.add(line.texts[0])
+            seq = self.waiting.take(line)
+            admitted.append(seq)
+            batch.add(seq)
+            held[line.call] += seq.rows_budget
             if self.policy == "none":
                 break
         return admitted
@@ -180,3 +197,64 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self.waiting)
+
+
+class Load:
+    """batch_cost's terms for a batch's texts, kept up to date as texts join."""
+
+    def __init__(self, budget: int, seqs: list[Sequence]):
+        self.budget = budget
+        self.beams = sum(s.options.beam for s in seqs)
+        self.sources = sum(s.options.beam * len(s.src) for s in seqs)
+        self.width = max((s.max_len for s in seqs), default=0)
+
+    def add(self, seq: Sequence) -> None:
+        self.beams += seq.options.beam
+        self.sources += seq.options.beam * len(seq.src)
+        self.width = max(self.width, seq.max_len)
+
+    def fits(self, seq: Sequence | None = None) -> bool:
+        """Whether the batch (with `seq` added) is within the budget."""
+        if seq is None:
+            return self.sources + self.beams * self.width <= self.budget
+        beam = seq.options.beam
+        return self.sources + beam * len(seq.src) + (self.beams + beam) * max(self.width, seq.max_len) <= self.budget
+
+
+class Promise:
+    """For a waiting text that does not fit yet: the step by which it surely does (`at`, in steps
+    from now: once every text that could still be running then leaves it room), and the batch it
+    will join then at the most (`then`: itself and the texts that may outlive that step)."""
+
+    def __init__(self, line: Line, steps_left: list[tuple[int, Sequence]], budget: int):
+        self.line, self.head = line, line.texts[0]
+        texts = sorted(steps_left, key=lambda t: -t[0])  # most steps left first
+        self.at = texts[0][0] if texts else 0  # at the latest once all have left (it may run alone)
+        stay = Load(budget, [self.head])
+        for left, seq in texts:  # with the texts before this one staying, it fits once this one has left
+            if not stay.fits():
+                break
+            self.at = left
+            stay.add(seq)
+        self.then = Load(budget, [self.head] + [seq for left, seq in texts if left > self.at])
+
+    def keeps(self, seq: Sequence) -> bool:
+        """Admitting `seq` now keeps the promise: it ends by the step, or leaves the room free."""
+        return seq.max_len <= self.at or self.then.fits(seq)
+
+    def add(self, seq: Sequence) -> None:
+        """A backfilled text: part of the batch at the promised step if it may still be running."""
+        if seq.max_len > self.at:
+            self.then.add(seq)
+
+    def backfill(self, waiting: Waiting, batch: Load, held: Counter, share: float) -> Line | None:
+        """The next line of the waiting text's priority whose first text may go before it: in turn,
+        a call below its share first (rule 3), else any; None if none may."""
+        fallback = None
+        for line in waiting.levels.get(self.head.priority, ()):
+            seq = line.texts[0]
+            if line is not self.line and batch.fits(seq) and self.keeps(seq):
+                if held[line.call] < share:
+                    return line
+                fallback = fallback or line
+        return fallback

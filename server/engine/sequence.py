@@ -31,6 +31,7 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     # search state
     step: int = 0  # decoding steps it took: set when it leaves the batch
+    joined: int = 0  # the engine's step count when it joined the batch: steps left = max_len - (now - joined)
     finished: list[Hypothesis] = field(default_factory=list)
     cancelled: bool = False  # set from another thread; the engine drops the rows at its next step
     # outcome
