@@ -67,10 +67,11 @@ def block_topk(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     left out has k blocks whose maxima rank above everything in it), so TopK runs over the block
     maxima and then over those k blocks, gathered in index order so that ties resolve as before.
     A vocabulary with no divisor in [16, 64] keeps the plain TopK."""
-    block = next((b for b in range(64, 15, -1) if x.shape[1] % b == 0), None)
+    vocab = int(x.shape[1])  # static: a constant in the traced graph, so its shapes need no arithmetic
+    block = next((b for b in range(64, 15, -1) if vocab % b == 0), None)
     if block is None:
         return x.topk(k, -1)
-    blocks = x.shape[1] // block
+    blocks = vocab // block
     chosen = x.reshape(-1, blocks, block).amax(-1).topk(torch.clamp(k, max=blocks), -1).indices.sort(-1).values
     columns = (chosen[:, :, None] * block + torch.arange(block)).flatten(1)  # (R, k * block), ascending
     values, at = x.gather(1, columns).topk(k, -1)

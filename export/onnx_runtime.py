@@ -8,6 +8,7 @@ CUDA tensors stay on the device between steps.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -53,25 +54,37 @@ class OnnxGraph:
         if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
             raise RuntimeError(f"{path}: ONNX Runtime could not start its CUDA provider")
         self.spec = spec
+        self.local = threading.local()  # thread replicas share the session; each thread binds its own
 
-    def _bind(self, bind, t, tensor: torch.Tensor) -> None:
-        bind(t.name, self.device.type, self.device.index or 0, NUMPY_TYPES[t.dtype], tuple(tensor.shape),
-             tensor.data_ptr())
+    def _binding(self) -> tuple[ort.IOBinding, dict]:
+        """This thread's binding, kept from run to run, and what each name is bound to now."""
+        if not hasattr(self.local, "binding"):
+            self.local.binding, self.local.bound = self.session.io_binding(), {}
+        return self.local.binding, self.local.bound
+
+    def _bind(self, bind, bound: dict, t, tensor: torch.Tensor) -> None:
+        """Bind a name to a tensor's memory unless it is bound to that address and shape already: most
+        of a decoder step's tensors (the cache, the encoder state) are the same from step to step,
+        and binding one costs about as much as a small kernel."""
+        at = (tensor.data_ptr(), tuple(tensor.shape))
+        if bound.get(t.name) != at:
+            bind(t.name, self.device.type, self.device.index or 0, NUMPY_TYPES[t.dtype], at[1], at[0])
+            bound[t.name] = at
 
     def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
             out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Outputs by name, written into `out`'s tensors where given (contiguous, of the right shape)."""
-        binding = self.session.io_binding()
+        binding, bound = self._binding()
         held = []  # the converted inputs must outlive the run
         for t in self.spec.inputs:
             tensor = inputs[t.name].to(self.device, TORCH_TYPES[t.dtype]).contiguous()
             held.append(tensor)
-            self._bind(binding.bind_input, t, tensor)
+            self._bind(binding.bind_input, bound, t, tensor)
         outputs = dict(out or {})
         for t in self.spec.outputs:
             if t.name not in outputs:
                 outputs[t.name] = torch.empty(output_shapes[t.name], dtype=TORCH_TYPES[t.dtype], device=self.device)
-            self._bind(binding.bind_output, t, outputs[t.name])
+            self._bind(binding.bind_output, bound, t, outputs[t.name])
         self.session.run_with_iobinding(binding)
         return outputs
 

@@ -238,6 +238,22 @@ def test_the_step_attends_with_group_query_attention_and_copies_no_logits(tmp_pa
         assert ops["GroupQueryAttention"] == model.cfg.dec_layers and ops["If"] == 0, name
 
 
+def test_the_steps_cross_attention_computes_no_shapes_at_run_time(tmp_path, spm_bytes):
+    """Its reshapes are to fixed shapes and its grouping is one gather: no Shape, ConstantOfShape or
+    Concat node, each of which costs a one-text step about what a small kernel does."""
+    import onnxruntime as ort
+
+    model, _ = export_tiny("gret_full", tmp_path, spm_bytes)
+    options = ort.SessionOptions()  # the graph as ONNX Runtime runs it: constants folded
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(tmp_path / "run.onnx")
+    ort.InferenceSession(str(tmp_path / "repo" / "decoder.onnx"), options, providers=["CPUExecutionProvider"])
+    nodes = [n for n in onnx.load(str(tmp_path / "run.onnx")).graph.node if "/res_cross" in n.name]
+    ops = Counter(n.op_type for n in nodes)
+    assert ops["MatMul"] >= model.cfg.dec_layers  # the attention is there ...
+    assert ops["Shape"] == ops["ConstantOfShape"] == ops["Concat"] == 0  # ... and no shape arithmetic
+
+
 def test_first_step_has_an_empty_past_and_the_past_axis_is_dynamic(tmp_path, spm_bytes):
     model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
     graph = onnx.load(str(tmp_path / "repo" / "decoder.onnx")).graph

@@ -96,22 +96,20 @@ class MultiHeadAttention(nn.Module):
     def step_cross(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, group_rows: torch.Tensor,
                    row_slot: torch.Tensor, kernel: bool = False) -> torch.Tensor:
         """Cross-attention of rows x (R, D) over per-sentence K/V (B, H, S, d), grouped by sentence
-        (row_groups): queries (R, D) -> groups (B, W, D) (slot R is a zero query: padding) ->
-        attention per sentence, reading its K/V once -> back to rows (R, D). Copying K/V per row
-        instead would move rows x source x D floats per layer and step; the gather moves R x D.
+        (row_groups): queries (R, D) -> per head (R + 1, H, d), row R a zero query (padding) ->
+        groups (B, W, H, d), one gather -> attention per sentence, reading its K/V once -> back to
+        rows (R, D). Copying K/V per row instead would move rows x source x D floats per layer and
+        step; the gather moves R x D. Every reshape is to a fixed shape (-1 and constants), so the
+        exported step computes no shapes at run time: a one-text step is mostly such fixed costs.
         kernel=True: the Triton kernel on CUDA (the W slots of a group are its `beam`)."""
-        q = self.q(x)
-        q = torch.cat([q, torch.zeros_like(q[:1])]).index_select(0, group_rows.flatten())
-        q = self.split(q.view(group_rows.shape[0], group_rows.shape[1], -1))  # (B, H, W, d)
+        q = F.pad(self.q(x).view(-1, self.n_heads, self.d_head), (0, 0, 0, 0, 0, 1))[group_rows]  # (B, W, H, d)
         if kernel:
-            out = grouped_cross_attention(q.transpose(1, 2).flatten(0, 1)[:, :, None], *memory, src_pad,
-                                          group_rows.shape[1])
-            out = out.flatten(1)  # (B * W, D)
+            out = grouped_cross_attention(q.flatten(0, 1)[:, :, None], *memory, src_pad, group_rows.shape[1])
         else:  # spelled out: scaled_dot_product_attention's exported form scales and transposes all of K
-            scores = (q * self.d_head ** -0.5) @ memory[0].transpose(-1, -2)
+            scores = (q.transpose(1, 2) * self.d_head ** -0.5) @ memory[0].transpose(-1, -2)
             out = scores.masked_fill(src_pad[:, None, None, :], float("-inf")).softmax(-1) @ memory[1]
-            out = out.transpose(1, 2).flatten(2).flatten(0, 1)  # (B * W, D)
-        return self.o(out.index_select(0, row_slot))
+            out = out.transpose(1, 2)  # (B, W, H, d)
+        return self.o(out.reshape(-1, self.n_heads * self.d_head).index_select(0, row_slot))
 
 
 class FeedForward(nn.Module):
