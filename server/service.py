@@ -5,9 +5,9 @@ whole text), each decoded as one Sequence per segment, all of them in the model'
 the handler awaits the documents. Each sequence's on_done hands the result to the event loop (or
 runs there, where the loop reads worker processes' reports), where a document is done once all its
 sequences are. A client that cancels, or a deadline that passes, marks the sequences so the engine
-drops their rows at its next step. Status codes: INVALID_ARGUMENT (texts, options, priority), NOT_FOUND (model),
-RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED, CANCELLED; INTERNAL
-only when decoding itself failed.
+drops their rows at its next step. Status codes: INVALID_ARGUMENT (texts, options, priority),
+NOT_FOUND (model), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), DEADLINE_EXCEEDED,
+CANCELLED; INTERNAL only when decoding itself failed.
 """
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         futures = [loop.create_future() for _ in texts]
         owner: dict[int, int] = {}  # sequence id -> its text's index
 
-        def on_done(seq: Sequence) -> None:  # an engine thread, or the loop (where it reads worker processes' reports)
+        def on_done(seq: Sequence) -> None:  # an engine thread, or the loop where it reads the workers' reports
             if threading.get_ident() == loop_thread:
                 settle(owner[seq.id], seq)
             else:

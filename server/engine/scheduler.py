@@ -54,9 +54,8 @@ class QueueFull(Exception):
 
 def batch_cost(seqs: list[Sequence]) -> int:
     """What a batch of these texts holds, in beam x tokens: each row its source and, in the
-    self-attention cache, as many columns as the longest output limit in the batch."""
-    width = max((s.max_len for s in seqs), default=0)
-    return sum(s.options.beam * (len(s.src) + width) for s in seqs)
+    self-attention cache, as many columns as the longest output limit in the batch (Load)."""
+    return Load(seqs).cost()
 
 
 @dataclass(eq=False)
@@ -156,7 +155,7 @@ class Scheduler:
         which each running text's steps left follow (Sequence.joined)."""
         if self.policy != "continuous" and running:
             return []
-        batch = Load(self.max_batch_tokens, running)
+        batch, budget = Load(running), self.max_batch_tokens
         held = Counter()  # each call's own budget (Sequence.rows_budget) in the batch: what the cap counts
         for s in running:
             held[s.call] += s.rows_budget
@@ -164,12 +163,12 @@ class Scheduler:
         while self.waiting:
             if promise is None:
                 line = self.next_line(held)
-                if not batch.fits(line.texts[0]) and (running or admitted):
+                if batch.cost(line.texts[0]) > budget and (running or admitted):
                     if self.policy != "continuous" or not any(
-                            other is not line and batch.fits(other.texts[0]) for other in self.waiting.top()):
+                            other is not line and batch.cost(other.texts[0]) <= budget for other in self.waiting.top()):
                         break  # nothing could go before it
                     steps_left = [(s.max_len - (clock - s.joined), s) for s in running]
-                    promise = Promise(line, steps_left + [(s.max_len, s) for s in admitted], self.max_batch_tokens)
+                    promise = Promise(line, steps_left + [(s.max_len, s) for s in admitted], budget)
                     self.promise = promise.head, clock + promise.at
                     continue
             else:
@@ -202,8 +201,7 @@ class Scheduler:
 class Load:
     """batch_cost's terms for a batch's texts, kept up to date as texts join."""
 
-    def __init__(self, budget: int, seqs: list[Sequence]):
-        self.budget = budget
+    def __init__(self, seqs: list[Sequence]):
         self.beams = sum(s.options.beam for s in seqs)
         self.sources = sum(s.options.beam * len(s.src) for s in seqs)
         self.width = max((s.max_len for s in seqs), default=0)
@@ -213,12 +211,12 @@ class Load:
         self.sources += seq.options.beam * len(seq.src)
         self.width = max(self.width, seq.max_len)
 
-    def fits(self, seq: Sequence | None = None) -> bool:
-        """Whether the batch (with `seq` added) is within the budget."""
+    def cost(self, seq: Sequence | None = None) -> int:
+        """batch_cost of the batch, with `seq` added."""
         if seq is None:
-            return self.sources + self.beams * self.width <= self.budget
+            return self.sources + self.beams * self.width
         beam = seq.options.beam
-        return self.sources + beam * len(seq.src) + (self.beams + beam) * max(self.width, seq.max_len) <= self.budget
+        return self.sources + beam * len(seq.src) + (self.beams + beam) * max(self.width, seq.max_len)
 
 
 class Promise:
@@ -227,20 +225,20 @@ class Promise:
     will join then at the most (`then`: itself and the texts that may outlive that step)."""
 
     def __init__(self, line: Line, steps_left: list[tuple[int, Sequence]], budget: int):
-        self.line, self.head = line, line.texts[0]
+        self.line, self.head, self.budget = line, line.texts[0], budget
         texts = sorted(steps_left, key=lambda t: -t[0])  # most steps left first
         self.at = texts[0][0] if texts else 0  # at the latest once all have left (it may run alone)
-        stay = Load(budget, [self.head])
+        stay = Load([self.head])
         for left, seq in texts:  # with the texts before this one staying, it fits once this one has left
-            if not stay.fits():
+            if stay.cost() > budget:
                 break
             self.at = left
             stay.add(seq)
-        self.then = Load(budget, [self.head] + [seq for left, seq in texts if left > self.at])
+        self.then = Load([self.head] + [seq for left, seq in texts if left > self.at])
 
     def keeps(self, seq: Sequence) -> bool:
         """Admitting `seq` now keeps the promise: it ends by the step, or leaves the room free."""
-        return seq.max_len <= self.at or self.then.fits(seq)
+        return seq.max_len <= self.at or self.then.cost(seq) <= self.budget
 
     def add(self, seq: Sequence) -> None:
         """A backfilled text: part of the batch at the promised step if it may still be running."""
@@ -253,7 +251,7 @@ class Promise:
         fallback = None
         for line in waiting.levels.get(self.head.priority, ()):
             seq = line.texts[0]
-            if line is not self.line and batch.fits(seq) and self.keeps(seq):
+            if line is not self.line and batch.cost(seq) <= self.budget and self.keeps(seq):
                 if held[line.call] < share:
                     return line
                 fallback = fallback or line

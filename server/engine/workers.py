@@ -14,8 +14,9 @@ A submit carries one call's texts for this worker (its line in the worker's sche
 parent keeps what the service sees: the Sequences (their on_done runs where the reports are
 read: the server's event loop, else the worker's supervisor thread), the result cache
 (consulted before dispatch, so repeats never reach a worker) and the metrics observer (fed with
-the workers' reports). A worker that exits fails its texts with UNAVAILABLE and is started again. time.monotonic is the system-wide CLOCK_MONOTONIC
-on Linux, so deadlines and timings cross the process boundary unchanged.
+the workers' reports). A worker that exits fails its texts with UNAVAILABLE and is started
+again. time.monotonic is the system-wide CLOCK_MONOTONIC on Linux, so deadlines and timings
+cross the process boundary unchanged.
 """
 from __future__ import annotations
 
