@@ -49,28 +49,39 @@ class Metrics:
         self._caches: dict[str, object] = {}
         self._results: dict[str, object] = {}
         self._engines: dict[str, object] = {}
+        self._children: dict[tuple, object] = {}
         r.register(_CacheCollector(self._caches, self._results))
         r.register(_EngineCollector(self._engines))
         ProcessCollector(registry=r)  # resident memory, CPU seconds, open files of this process
 
+    def of(self, metric, *labels: str):
+        """metric.labels(*labels), kept from call to call: prometheus_client checks the values and
+        takes a lock on every labels() (~7 us), and a call records a dozen samples. The labels are
+        model names, methods and statuses: a bounded set."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def call_ended(self, model: str, method: str, code: str, seconds: float) -> None:
         """Every call of every RPC, whatever its outcome: counted by status, and timed."""
-        self.requests.labels(model, method, code).inc()
-        self.request_seconds.labels(model, method).observe(seconds)
+        self.of(self.requests, model, method, code).inc()
+        self.of(self.request_seconds, model, method).observe(seconds)
 
     def submitted(self, model: str, seqs: list[Sequence]) -> None:
         for s in seqs:
-            self.input_pieces.labels(model).observe(len(s.src))
+            self.of(self.input_pieces, model).observe(len(s.src))
 
     def text_finished(self, model: str, status: str) -> None:
-        self.texts.labels(model, status).inc()
+        self.of(self.texts, model, status).inc()
 
     def observer(self, model: str) -> Observer:
         return _ModelObserver(self, model)
 
     def add_model(self, pipeline) -> None:
         e = pipeline.entry
-        self.model_info.labels(e.name, e.version, e.task, pipeline.backend, pipeline.precision, e.architecture).set(1)
+        self.of(self.model_info, e.name, e.version, e.task, pipeline.backend, pipeline.precision, e.architecture).set(1)
         self._caches[e.name] = pipeline.engine.cache
         self._results[e.name] = pipeline.engine.results
         self._engines[e.name] = pipeline.engine  # one Engine, thread Replicas or worker processes
@@ -86,27 +97,27 @@ class _ModelObserver(Observer):
         self.m, self.model = m, model
 
     def queue_depth(self, n: int) -> None:
-        self.m.queue_depth.labels(self.model).set(n)
+        self.m.of(self.m.queue_depth, self.model).set(n)
 
     def encoded(self, n_sequences: int, seconds: float) -> None:
-        self.m.encode_seconds.labels(self.model).observe(seconds)
+        self.m.of(self.m.encode_seconds, self.model).observe(seconds)
 
     def stepped(self, rows: int, seconds: float) -> None:
-        self.m.step_seconds.labels(self.model).observe(seconds)
-        self.m.rows_per_step.labels(self.model).observe(rows)
-        self.m.batch_rows.labels(self.model).set(rows)
-        self.m.decoded_rows.labels(self.model).inc(rows)
+        self.m.of(self.m.step_seconds, self.model).observe(seconds)
+        self.m.of(self.m.rows_per_step, self.model).observe(rows)
+        self.m.of(self.m.batch_rows, self.model).set(rows)
+        self.m.of(self.m.decoded_rows, self.model).inc(rows)
 
     def finished(self, seq: Sequence) -> None:
         m, model = self.m, self.model
-        m.sentences.labels(model, seq.status).inc()
+        m.of(m.sentences, model, seq.status).inc()
         if seq.admitted is not None:
-            m.queue_seconds.labels(model).observe(seq.admitted - seq.created)
+            m.of(m.queue_seconds, model).observe(seq.admitted - seq.created)
         if seq.status == OK:
-            m.decode_seconds.labels(model).observe(seq.done - seq.encoded)
-            m.text_seconds.labels(model).observe(seq.done - seq.created)
+            m.of(m.decode_seconds, model).observe(seq.done - seq.encoded)
+            m.of(m.text_seconds, model).observe(seq.done - seq.created)
             if seq.hypotheses:
-                m.generated_tokens.labels(model).inc(len(seq.hypotheses[0].tokens))
+                m.of(m.generated_tokens, model).inc(len(seq.hypotheses[0].tokens))
 
 
 # (metric type, name, help) per key of a cache's stats()

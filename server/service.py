@@ -85,10 +85,12 @@ class Call:
         return [s for d in self.docs for s in d.sequences]
 
     def release(self) -> None:
-        """Its unfinished texts leave the engine at the next step (finished ones ignore the mark)."""
-        if self.pipeline is not None:
-            for s in self.seqs:
-                s.cancelled = True
+        """Its unfinished texts leave the engine at the next step. A call that ends answered has none,
+        and wakes no engine."""
+        unfinished = [s for s in self.seqs if s.status is None]
+        for s in unfinished:
+            s.cancelled = True
+        if unfinished:
             self.pipeline.engine.wake()
 
 

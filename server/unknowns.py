@@ -26,14 +26,25 @@ FINAL_STOP = re.compile(r"[.!?]+\s*$")
 
 @dataclass
 class Alphabet:
-    """The characters a model's SentencePiece gives back unchanged."""
+    """The characters a model's SentencePiece gives back unchanged (each one tried once)."""
     sp: object  # SentencePieceProcessor
-    _known: dict[str, bool] = field(default_factory=dict)
+    _good: set[str] = field(default_factory=set)
+    _bad: set[str] = field(default_factory=set)
 
     def __contains__(self, char: str) -> bool:
-        if char not in self._known:
-            self._known[char] = char.isspace() or self.sp.decode(self.sp.encode(char)) == char
-        return self._known[char]
+        if char in self._good:
+            return True
+        if char not in self._bad:
+            good = char.isspace() or self.sp.decode(self.sp.encode(char)) == char
+            (self._good if good else self._bad).add(char)
+            return good
+        return False
+
+    def covers(self, text: str) -> bool:
+        """Whether the model writes every character of `text`: one set comparison for a text of
+        known characters (almost every text), instead of a lookup per character."""
+        chars = set(text)
+        return chars <= self._good or all(c in self for c in chars)
 
 
 @dataclass
@@ -72,6 +83,8 @@ def protect(text: str, alphabet: Alphabet) -> Protected:
 
 def foreign_spans(text: str, alphabet: Alphabet) -> list[tuple[int, int]]:
     """In each word, the span from its first to its last foreign character."""
+    if alphabet.covers(text):
+        return []
     spans = []
     for word in WORDS.finditer(text):
         foreign = [i for i, c in enumerate(word.group()) if c not in alphabet]

@@ -166,7 +166,7 @@ class WorkerReplicas:
                                 f"this request has {len(seqs)}: retry later")
             for w, share in zip(live, shares):
                 if share:
-                    w.pending.update((s.id, s) for s in share)
+                    w.hold(share)
                     w.send("submit", [Job(s.id, s.src, s.options, s.max_len, s.tags, s.deadline, s.priority)
                                         for s in share])
         answer_cached(hits, self.observer)
@@ -231,6 +231,7 @@ class Worker:
     def __init__(self, group: WorkerReplicas, index: int):
         self.group, self.index = group, index
         self.pending: dict[int, Sequence] = {}  # by id; changed under group.lock
+        self.budget = 0  # the pending texts' rows_budget, summed: what spread() balances
         self.waiting = 0
         # totals over every process this slot has run (counters never go back when one restarts)
         self.steps, self.seconds, self.cpu_seconds = 0, dict.fromkeys(PHASES, 0.0), 0.0
@@ -244,7 +245,12 @@ class Worker:
         self.thread = threading.Thread(target=self._supervise, daemon=True, name=f"worker-{group.name}-{index}")
 
     def load(self) -> int:
-        return sum(s.rows_budget for s in self.pending.values())
+        return self.budget
+
+    def hold(self, seqs: list[Sequence]) -> None:
+        """Under group.lock: texts sent to this worker."""
+        self.pending.update((s.id, s) for s in seqs)
+        self.budget += sum(s.rows_budget for s in seqs)
 
     def send(self, kind: str, body) -> None:
         """Under group.lock. A dead worker's pipe refuses: its supervisor fails what it held."""
@@ -331,7 +337,7 @@ class Worker:
         group = self.group
         with group.lock:
             self.ready.clear()
-            lost, self.pending = list(self.pending.values()), {}
+            lost, self.pending, self.budget = list(self.pending.values()), {}, 0
             self.waiting = 0
         if group.stopping:
             message = f"model {group.name} stopped before this text was decoded"
@@ -349,6 +355,8 @@ class Worker:
         if kind == "done":
             with group.lock:
                 seq = self.pending.pop(body.id, None)
+                if seq is not None:
+                    self.budget -= seq.rows_budget
             if seq is not None:
                 group.finish(seq, body)
         elif kind == "stepped":
