@@ -53,7 +53,7 @@ class MultiHeadAttention(nn.Module):
         self.o = nn.Linear(inner, d_model)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H*d) -> (B, H, T, d)
-        return x.unflatten(-1, (self.n_heads, self.d_head)).transpose(1, 2)
+        return x.view(x.shape[0], x.shape[1], self.n_heads, self.d_head).transpose(1, 2)
 
     def keys_values(self, memory: torch.Tensor) -> KV:
         return self.split(self.k(memory)), self.split(self.v(memory))
@@ -70,7 +70,8 @@ class MultiHeadAttention(nn.Module):
         else:
             attention = grouped_cross_attention if kernel else grouped_attention_reference
             out = attention(q, k, v, key_pad, beam, dropout_p)
-        return self.o(out.transpose(1, 2).flatten(2))
+        out = out.transpose(1, 2)
+        return self.o(out.reshape(out.shape[0], out.shape[1], -1))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
                 key_pad: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
