@@ -3,6 +3,7 @@ mixed beam sizes does what the rule says for each sequence alone, and every sear
 project computes the same output-length limit."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,13 +37,13 @@ def reference_step(scores, log_probs, beam, last, held):
 def vectorised_step(scores, log_probs, counts, beams, last, held):
     k = 2 * max(beams)
     best = log_probs.sort(dim=1, descending=True, stable=True)  # each row's best, ties to the lower token
-    cand = candidates(scores, best.values[:, :k], best.indices[:, :k], torch.tensor(counts), k)
-    pick = select(cand.scores, cand.tokens == EOS, torch.tensor(last), torch.tensor(beams), torch.tensor(held))
-    starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+    cand = candidates(scores.numpy(), best.values[:, :k].numpy(), best.indices[:, :k].numpy(), np.array(counts), k)
+    pick = select(cand.scores, cand.tokens == EOS, np.array(last), np.array(beams), np.array(held))
+    starts = np.cumsum(counts) - np.array(counts)
 
     def listed(mask, i):
         return [(int(cand.rows[i, j] - starts[i]), int(cand.tokens[i, j]), float(cand.scores[i, j]))
-                for j in mask[i].nonzero()[:, 0].tolist()]
+                for j in np.flatnonzero(mask[i]).tolist()]
 
     return [(listed(pick.finishing, i), listed(pick.kept, i), bool(pick.done[i])) for i in range(len(counts))]
 

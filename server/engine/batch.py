@@ -28,9 +28,14 @@ The search rule is training.seq2seq.beam's, as in training.seq2seq.search.beam_s
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
 length limit) ranked inside the beam finishes a hypothesis, the best non-finishing candidates
 refill the beam; a sequence is done once it holds `beam` finished hypotheses, reaches its limit,
-or has no candidate left. It runs as tensor operations over all rows of all sequences at once;
+or has no candidate left. It runs as array operations over all rows of all sequences at once;
 Python touches only the hypotheses that finish and the sequences that end. At its first step a
 sequence has one row (BOS), not `beam` copies.
+
+The search state above is NumPy; only what the decoder step reads or writes (the cache, the encoder
+slots, the step's inputs) is torch's. The state is a few hundred numbers, on which a call costs its
+overhead, and NumPy's is a fraction of torch's: between two decoder steps the search and the
+bookkeeping make some hundred such calls.
 
 A step is two calls, timed apart by the engine: search() decides (candidates from the top-k that
 the backend's step picked, finished hypotheses), advance() moves the rows into their next state
@@ -41,6 +46,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, force_prefix, select
@@ -55,11 +61,11 @@ COLUMNS = 16  # the cache's width grows and shrinks in steps of this many column
 
 class Choice(NamedTuple):
     """One step's decisions (Batch.search), for Batch.advance to apply."""
-    rows: torch.Tensor  # the rows (old indices) whose children survive, in order
-    tokens: torch.Tensor  # each child's token
-    scores: torch.Tensor  # each child's score
-    counts: torch.Tensor  # rows per sequence that goes on
-    alive: torch.Tensor  # the sequences that go on (old indices)
+    rows: np.ndarray  # the rows (old indices) whose children survive, in order
+    tokens: np.ndarray  # each child's token
+    scores: np.ndarray  # each child's score
+    counts: np.ndarray  # rows per sequence that goes on
+    alive: np.ndarray  # the sequences that go on (old indices)
     ended: list[Sequence]  # the sequences that finished
 
 
@@ -67,16 +73,16 @@ class Batch:
     def __init__(self, cfg, n_heads: int, d_head: int, device: torch.device):
         self.cfg, self.n_heads, self.d_head, self.device = cfg, n_heads, d_head, device
         self.seqs: list[Sequence] = []
-        self.counts, self.beams, self.limits, self.held = (torch.empty(0, dtype=torch.long) for _ in range(4))
+        self.counts, self.beams, self.limits, self.held = (np.empty(0, np.int64) for _ in range(4))
         self.constrained = 0  # sequences with min_length, no_repeat_ngram or a prefix: _constrain's work
         self.sources = SourceSlots()
-        self.enc_slot = torch.empty(0, dtype=torch.long)
-        self.row_seq = torch.empty(0, dtype=torch.long)
-        self.tokens = torch.empty(0, dtype=torch.long)
-        self.positions = torch.empty(0, dtype=torch.long)
-        self.scores = torch.empty(0, dtype=torch.float32)
-        self.history = torch.empty(0, COLUMNS, dtype=torch.long)
-        self.slot = torch.empty(0, dtype=torch.long)
+        self.enc_slot = np.empty(0, np.int64)
+        self.row_seq = np.empty(0, np.int64)
+        self.tokens = np.empty(0, np.int64)
+        self.positions = np.empty(0, np.int64)
+        self.scores = np.empty(0, np.float32)
+        self.history = np.empty((0, COLUMNS), np.int64)
+        self.slot = np.empty(0, np.int64)
         self.kv: torch.Tensor | None = None  # a view of the front of `storage`
         self.storage: torch.Tensor | None = None
         self.spare: torch.Tensor | None = None  # the other storage, for the next resize
@@ -96,19 +102,19 @@ class Batch:
         """Append newly encoded sequences (enc: one entry each), one BOS row per sequence."""
         n = len(seqs)
         first = len(self.seqs)
-        self.slot = torch.cat([self.slot, self._free_slots(n, self.slot)])
-        self.row_seq = torch.cat([self.row_seq, torch.arange(first, first + n)])
-        self.tokens = torch.cat([self.tokens, torch.full((n,), self.cfg.bos_id, dtype=torch.long)])
-        self.positions = torch.cat([self.positions, torch.zeros(n, dtype=torch.long)])
-        self.scores = torch.cat([self.scores, torch.zeros(n)])
-        self.history = torch.cat([self.history, self.history.new_zeros(n, self.history.shape[1])])
+        self.slot = np.concatenate([self.slot, self._free_slots(n, self.slot)])
+        self.row_seq = np.concatenate([self.row_seq, np.arange(first, first + n)])
+        self.tokens = np.concatenate([self.tokens, np.full(n, self.cfg.bos_id, np.int64)])
+        self.positions = np.concatenate([self.positions, np.zeros(n, np.int64)])
+        self.scores = np.concatenate([self.scores, np.zeros(n, np.float32)])
+        self.history = np.concatenate([self.history, np.zeros((n, self.history.shape[1]), np.int64)])
         self.seqs += seqs
-        self.counts = torch.cat([self.counts, torch.ones(n, dtype=torch.long)])
-        self.beams = torch.cat([self.beams, torch.tensor([s.options.beam for s in seqs])])
-        self.limits = torch.cat([self.limits, torch.tensor([s.max_len for s in seqs])])
-        self.held = torch.cat([self.held, torch.zeros(n, dtype=torch.long)])
+        self.counts = np.concatenate([self.counts, np.ones(n, np.int64)])
+        self.beams = np.concatenate([self.beams, np.array([s.options.beam for s in seqs], np.int64)])
+        self.limits = np.concatenate([self.limits, np.array([s.max_len for s in seqs], np.int64)])
+        self.held = np.concatenate([self.held, np.zeros(n, np.int64)])
         self.constrained += sum(map(constrained, seqs))
-        self.enc_slot = torch.cat([self.enc_slot, self.sources.put(enc)])
+        self.enc_slot = np.concatenate([self.enc_slot, self.sources.put(enc)])
 
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:
@@ -118,13 +124,14 @@ class Batch:
         cache has a column free at every row's position, where the step writes."""
         self._reserve(int(self.positions.max()) + 1, 0)
         n = int(self.slot.max()) + 1
-        tokens = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.tokens)
-        positions = torch.zeros(n, dtype=torch.long).index_copy_(0, self.slot, self.positions)
-        row_sentence = torch.full((n,), -1, dtype=torch.long).index_copy_(0, self.slot,
-                                                                         self.enc_slot.index_select(0, self.row_seq))
+        tokens, positions = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        row_sentence = np.full(n, -1, np.int64)
+        tokens[self.slot], positions[self.slot], row_sentence[self.slot] = self.tokens, self.positions, \
+            self.enc_slot[self.row_seq]
         cache = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
         top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
-        return tokens, positions, row_sentence, self.sources.state(), cache, top_k
+        return (torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(row_sentence),
+                self.sources.state(), cache, top_k)
 
     @property
     def width(self) -> int:
@@ -142,18 +149,18 @@ class Batch:
         k = top_tokens.shape[1]
         if self.constrained:  # the constraints change some log-probabilities: their top_k is chosen again
             top_log_probs, top_tokens = row_topk()(self._constrain(log_probs.float()), k)
-        cand = candidates(self.scores, top_log_probs.index_select(0, self.slot),
-                          top_tokens.index_select(0, self.slot), self.counts, k)
-        length = self.positions.index_select(0, self.counts.cumsum(0) - self.counts) + 1  # of each sequence
+        top_log_probs, top_tokens = host(top_log_probs), host(top_tokens)
+        cand = candidates(self.scores, top_log_probs[self.slot], top_tokens[self.slot], self.counts, k)
+        length = self.positions[self.starts()] + 1  # of each sequence
         pick = select(cand.scores, cand.tokens == self.cfg.eos_id, length >= self.limits, self.beams, self.held)
-        self.held += pick.finishing.sum(1)
+        self.held = self.held + pick.finishing.sum(1)
         self._finish_hypotheses(cand, pick.finishing)
-        done = pick.done.nonzero()[:, 0].tolist()
-        ended = [self.seqs[i] for i in done]
+        done = np.flatnonzero(pick.done)
+        ended = [self.seqs[i] for i in done.tolist()]
         for seq, steps in zip(ended, length[done].tolist()):
             seq.step = steps
-        alive = (~pick.done).nonzero()[:, 0]
-        kept = pick.kept.index_select(0, alive)
+        alive = np.flatnonzero(~pick.done)
+        kept = pick.kept[alive]
         return Choice(cand.rows[alive][kept], cand.tokens[alive][kept], cand.scores[alive][kept], kept.sum(1), alive,
                       ended)
 
@@ -166,20 +173,24 @@ class Batch:
 
     def remove(self, dropped: set[int]) -> None:
         """Take sequences (by index) out of the batch without a step: cancelled or expired."""
-        keep = torch.ones(len(self.seqs), dtype=torch.bool)
+        keep = np.ones(len(self.seqs), bool)
         keep[list(dropped)] = False
         leaving = [self.seqs[i] for i in sorted(dropped)]
-        for seq, steps in zip(leaving, self.positions[self.counts.cumsum(0) - self.counts][~keep].tolist()):
+        for seq, steps in zip(leaving, self.positions[self.starts()][~keep].tolist()):
             seq.step = steps
-        rows = keep.index_select(0, self.row_seq).nonzero()[:, 0]
-        self._reorder(rows, self.tokens[rows], self.scores[rows], self.counts[keep], keep.nonzero()[:, 0], leaving,
+        rows = np.flatnonzero(keep[self.row_seq])
+        self._reorder(rows, self.tokens[rows], self.scores[rows], self.counts[keep], np.flatnonzero(keep), leaving,
                       stepped=False)
 
+    def starts(self) -> np.ndarray:
+        """Each sequence's first row."""
+        return np.cumsum(self.counts) - self.counts
+
     # ---- internals -------------------------------------------------------------------------
-    def _finish_hypotheses(self, cand, finishing: torch.Tensor) -> None:
+    def _finish_hypotheses(self, cand, finishing: np.ndarray) -> None:
         """Add the hypotheses that candidates `finishing` (S, K) end to their sequences."""
         eos = self.cfg.eos_id
-        for i, row, token, score in zip(finishing.nonzero()[:, 0].tolist(), cand.rows[finishing].tolist(),
+        for i, row, token, score in zip(finishing.nonzero()[0].tolist(), cand.rows[finishing].tolist(),
                                         cand.tokens[finishing].tolist(), cand.scores[finishing].tolist()):
             seq = self.seqs[i]
             prefix = self.history[row, :self.positions[row]].tolist()
@@ -189,12 +200,12 @@ class Batch:
         """A target prefix (forced while the step is inside it; training.seq2seq.beam.force_prefix), else
         min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs are per
         slot); rare options, so plain Python over the sequences that have them."""
-        starts = (self.counts.cumsum(0) - self.counts).tolist()
+        starts = self.starts().tolist()
         for i, seq in enumerate(self.seqs):
             if not constrained(seq):
                 continue
             rows = range(starts[i], starts[i] + int(self.counts[i]))
-            slots, step = self.slot[list(rows)], int(self.positions[starts[i]])
+            slots, step = torch.from_numpy(self.slot[starts[i]: rows.stop]), int(self.positions[starts[i]])
             if step < len(seq.options.prefix):
                 force_prefix(log_probs, slots, seq.options.prefix[step])
                 continue
@@ -207,67 +218,68 @@ class Batch:
                     log_probs[slot, banned] = NEG_INF
         return log_probs
 
-    def _reorder(self, rows: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor,
-                 alive: torch.Tensor, leaving: list[Sequence], stepped: bool) -> None:
+    def _reorder(self, rows: np.ndarray, tokens: np.ndarray, scores: np.ndarray, counts: np.ndarray,
+                 alive: np.ndarray, leaving: list[Sequence], stepped: bool) -> None:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
         are gone; after a step each row is its parent's child, one token longer."""
-        parents = self.slot.index_select(0, rows)
-        positions = self.positions.index_select(0, rows)
-        history = self.history.index_select(0, rows)
+        parents, positions, history = self.slot[rows], self.positions[rows], self.history[rows]
         if stepped:
             self.slot = self._place_children(parents, positions)
             history = fit_columns(history, int(positions.max()) + 1 if len(rows) else 0)
-            history[torch.arange(len(rows)), positions] = tokens
+            history[np.arange(len(rows)), positions] = tokens
             positions = positions + 1
         else:
             self.slot = parents
         self.history, self.positions, self.tokens, self.scores = history, positions, tokens, scores
-        self.row_seq = torch.repeat_interleave(torch.arange(len(alive)), counts)
+        self.row_seq = np.repeat(np.arange(len(alive)), counts)
         self.counts = counts
         if leaving:
             self.seqs = [self.seqs[i] for i in alive.tolist()]
-            self.beams, self.limits, self.held = (t.index_select(0, alive) for t in (self.beams, self.limits, self.held))
+            self.beams, self.limits, self.held = self.beams[alive], self.limits[alive], self.held[alive]
             self.constrained -= sum(map(constrained, leaving))
-            gone = torch.ones(len(self.enc_slot), dtype=torch.bool)
+            gone = np.ones(len(self.enc_slot), bool)
             gone[alive] = False
             self.sources.free(self.enc_slot[gone])
-            self.enc_slot = self.enc_slot.index_select(0, alive)
+            self.enc_slot = self.enc_slot[alive]
             moved = self.sources.compact()
             if moved is not None:
-                self.enc_slot = moved.index_select(0, self.enc_slot)
+                self.enc_slot = moved[self.enc_slot]
         if len(alive):  # else the storage stays as it is for the next sequences
             self._close_up()
 
-    def _place_children(self, parents: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _place_children(self, parents: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slots for children of slots `parents` (their parents' positions `positions`), whose
         step keys/values the step wrote in place: a parent's first child keeps the slot, the
         others get a copy in a free slot."""
-        first = torch.ones(len(parents), dtype=torch.bool)
+        first = np.ones(len(parents), bool)
         if len(parents):
-            order = torch.sort(parents, stable=True).indices
+            order = np.argsort(parents, kind="stable")
             sorted_parents = parents[order]
             first[order[1:]] = sorted_parents[1:] != sorted_parents[:-1]
-        forks = (~first).nonzero()[:, 0]
-        slot = parents.clone()
+        forks = np.flatnonzero(~first)
+        slot = parents.copy()
         if len(forks):
             free = self._free_slots(len(forks), parents[first])
-            self._copy_slots(parents.index_select(0, forks), free, int(positions.index_select(0, forks).max()) + 1)
+            self._copy_slots(parents[forks], free, positions[forks] + 1)
             slot[forks] = free
         return slot
 
-    def _copy_slots(self, sources: torch.Tensor, targets: torch.Tensor, columns: int) -> None:
-        """Slot targets[i] <- slot sources[i], the first `columns` columns (the rest are not theirs).
-        The two sets never meet. Slot by slot over all planes at once: a strided copy per slot beats
-        a gather and a scatter per plane, which index_select does slowly on a narrowed cache."""
-        kv = self.kv[:, :, :, :columns]
-        for source, target in zip(sources.tolist(), targets.tolist()):
-            kv[:, target].copy_(kv[:, source])
+    def _copy_slots(self, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
+        """Slot targets[i] <- slot sources[i], its first columns[i] columns (the rest are not its own):
+        rows of a running batch are at every step of their texts, and a young row's fork moves a
+        few columns, not the oldest row's. The two sets never meet. Slot by slot over all planes at
+        once: a strided copy per slot beats a gather and a scatter per plane, which index_select does
+        slowly on a narrowed cache. On CPU through numpy: its views and copies cost a fraction of
+        torch's per-call overhead, which a copy of a few columns is mostly made of."""
+        kv = self.kv.numpy() if self.kv.device.type == "cpu" else self.kv  # the same memory
+        for source, target, n in zip(sources.tolist(), targets.tolist(), columns.tolist()):
+            kv[:, target, :, :n] = kv[:, source, :, :n]
 
-    def _free_slots(self, n: int, taken: torch.Tensor) -> torch.Tensor:
+    def _free_slots(self, n: int, taken: np.ndarray) -> np.ndarray:
         """The n lowest slots not in `taken`, growing the slots if there are too few."""
-        used = torch.zeros(self.capacity + n, dtype=torch.bool)
+        used = np.zeros(self.capacity + n, bool)
         used[taken] = True
-        free = (~used).nonzero()[:n, 0]
+        free = np.flatnonzero(~used)[:n]
         self._reserve(0, int(free.max()) + 1 if n else 0)
         return free
 
@@ -299,9 +311,9 @@ class Batch:
         rows, n = self.rows, int(self.slot.max()) + 1
         if n - rows <= max(1, n // 8):
             return
-        high = (self.slot >= rows).nonzero()[:, 0]
+        high = np.flatnonzero(self.slot >= rows)
         free = self._free_slots(len(high), self.slot)
-        self._copy_slots(self.slot.index_select(0, high), free, int(self.positions.index_select(0, high).max()))
+        self._copy_slots(self.slot[high], free, self.positions[high])
         self.slot[high] = free
 
 
@@ -310,13 +322,18 @@ def constrained(seq: Sequence) -> bool:
     return bool(seq.options.min_length or seq.options.no_repeat_ngram or seq.options.prefix)
 
 
-def fit_columns(history: torch.Tensor, columns: int) -> torch.Tensor:
+def fit_columns(history: np.ndarray, columns: int) -> np.ndarray:
     """`history` with room for at least `columns` columns, in whole steps of COLUMNS (the rest are
     dropped: no row has tokens there)."""
     width = whole_steps(max(columns, 1))
     if width <= history.shape[1]:
         return history[:, :width]
-    return torch.cat([history, history.new_zeros(len(history), width - history.shape[1])], 1)
+    return np.concatenate([history, np.zeros((len(history), width - history.shape[1]), history.dtype)], 1)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    """A step's output as NumPy: the same memory on CPU, a copy from an accelerator."""
+    return t.detach().cpu().numpy()
 
 
 def whole_steps(columns: int) -> int:

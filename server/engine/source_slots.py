@@ -10,9 +10,11 @@ rows say which slot they read. A free slot among them is computed and read by no
 keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
 grows in steps of COLUMNS to the longest source and shrinks once the longest leaves; the slots
 grow by doubling, and the top slots are moved down into holes once an eighth of them are empty.
+The tensors the step reads are torch's; which slot holds what is NumPy, as the batch's own state.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from training.seq2seq.model import EncoderState
@@ -26,7 +28,7 @@ class SourceSlots:
         self.src_pad = torch.ones(0, 0, dtype=torch.bool)  # (slots, width) True = not a source piece
         self.global_state: torch.Tensor | None = None  # (slots, D), GRET only
         self.gate_source: torch.Tensor | None = None
-        self.lengths = torch.zeros(0, dtype=torch.long)  # each slot's source length; 0 = free
+        self.lengths = np.zeros(0, np.int64)  # each slot's source length; 0 = free
 
     @property
     def capacity(self) -> int:
@@ -36,31 +38,33 @@ class SourceSlots:
     def width(self) -> int:
         return self.src_pad.shape[1]
 
-    def put(self, enc: EncoderState) -> torch.Tensor:
+    def put(self, enc: EncoderState) -> np.ndarray:
         """Write a batch of new sentences' states (enc: one entry each) into free slots; returns them."""
         n, width = enc.src_pad.shape
-        lengths = (~enc.src_pad).sum(1)
-        free = (self.lengths == 0).nonzero()[:n, 0]
+        lengths = (~enc.src_pad).sum(1).cpu().numpy()
+        free = np.flatnonzero(self.lengths == 0)[:n]
         if len(free) < n:
             grown = max(2 * self.capacity, self.capacity + n - len(free), 8)
             self._layout(grown, max(self.width, whole_steps(width)), enc)
-            free = (self.lengths == 0).nonzero()[:n, 0]
+            free = np.flatnonzero(self.lengths == 0)[:n]
         elif width > self.width:
             self._layout(self.capacity, whole_steps(width), enc)
+        at = torch.from_numpy(free)
         memory = torch.stack([t for kv in enc.memory for t in kv])  # (2 x layers, n, H, width, d_h)
-        self.memory[:, free, :, :width] = memory
-        self.src_pad[free] = True
-        self.src_pad[free, :width] = enc.src_pad
+        self.memory[:, at, :, :width] = memory
+        self.src_pad[at] = True
+        self.src_pad[at, :width] = enc.src_pad
         for name in ("global_state", "gate_source"):
             if getattr(enc, name) is not None:
-                getattr(self, name)[free] = getattr(enc, name)
-        self.lengths[free] = lengths.clamp(min=1)  # a slot in use never reads as free
+                getattr(self, name)[at] = getattr(enc, name)
+        self.lengths[free] = np.maximum(lengths, 1)  # a slot in use never reads as free
         return free
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: np.ndarray) -> None:
         self.lengths[slots] = 0
-        self.src_pad[slots] = True
-        self.src_pad[slots, 0] = False
+        at = torch.from_numpy(slots)
+        self.src_pad[at] = True
+        self.src_pad[at, 0] = False
 
     def state(self) -> EncoderState:
         """Slots 0..n-1 as the decoder step's per-sentence tensors (views, no copies)."""
@@ -71,10 +75,10 @@ class SourceSlots:
 
     def in_use(self) -> int:
         """The highest slot in use + 1."""
-        used = self.lengths.nonzero()
-        return int(used[-1, 0]) + 1 if len(used) else 0
+        used = np.flatnonzero(self.lengths)
+        return int(used[-1]) + 1 if len(used) else 0
 
-    def compact(self) -> torch.Tensor | None:
+    def compact(self) -> np.ndarray | None:
         """Close holes once they are an eighth of the slots read, and give back source columns once
         the longest source has left; returns each old slot's new slot (capacity,), or None: nothing moved."""
         n, used = self.in_use(), int((self.lengths > 0).sum())
@@ -84,17 +88,20 @@ class SourceSlots:
                 self._layout(self.capacity, needed)
         if n - used <= max(1, n // 8):
             return None
-        high = (self.lengths[used:] > 0).nonzero()[:, 0] + used
-        low = (self.lengths[:used] == 0).nonzero()[:, 0]
-        self.memory[:, low] = self.memory[:, high]
+        high = np.flatnonzero(self.lengths[used:] > 0) + used
+        low = np.flatnonzero(self.lengths[:used] == 0)
+        into, out_of = torch.from_numpy(low), torch.from_numpy(high)
+        self.memory[:, into] = self.memory[:, out_of]
         for name in ("global_state", "gate_source"):
             t = getattr(self, name)
             if t is not None:
-                t[low] = t[high]
-        self.src_pad[low] = self.src_pad[high]
+                t[into] = t[out_of]
+        self.src_pad[into] = self.src_pad[out_of]
         self.lengths[low] = self.lengths[high]
         self.free(high)
-        return torch.arange(self.capacity).index_copy_(0, high, low)
+        moved = np.arange(self.capacity)
+        moved[high] = low
+        return moved
 
     def _layout(self, slots: int, width: int, like: EncoderState | None = None) -> None:
         """New storage of `slots` x `width`, the slots in use copied over (their columns up to width)."""
@@ -107,7 +114,7 @@ class SourceSlots:
         self.memory = torch.zeros(planes, slots, heads, width, d_head)
         src_pad = torch.ones(slots, width, dtype=torch.bool)
         src_pad[:, 0] = False
-        lengths = torch.zeros(slots, dtype=torch.long)
+        lengths = np.zeros(slots, np.int64)
         keep, w = min(self.capacity, slots), min(self.width, width)
         if old is not None:
             self.memory[:, :keep, :, :w] = old[:, :keep, :, :w]

@@ -67,45 +67,48 @@ def force_prefix(log_probs: torch.Tensor, rows, token: int) -> None:
 
 
 class Candidates(NamedTuple):
-    scores: torch.Tensor  # (S, K) best first; -inf where a sequence has fewer than K
-    rows: torch.Tensor  # (S, K) the row each one extends
-    tokens: torch.Tensor  # (S, K) the token it appends
+    scores: np.ndarray  # (S, K) best first; -inf where a sequence has fewer than K
+    rows: np.ndarray  # (S, K) the row each one extends
+    tokens: np.ndarray  # (S, K) the token it appends
 
 
-def candidates(row_scores: torch.Tensor, top_log_probs: torch.Tensor, top_tokens: torch.Tensor,
-               counts: torch.Tensor, k: int) -> Candidates:
+def candidates(row_scores: np.ndarray, top_log_probs: np.ndarray, top_tokens: np.ndarray, counts: np.ndarray,
+               k: int) -> Candidates:
     """Each sequence's k best candidates. Sequence i owns `counts[i]` consecutive rows (R in all);
     top_log_probs / top_tokens (R, m >= k) are each row's own best tokens, best first and ties to
     the lower token: a row's score shifts all its tokens alike, so a sequence's k best are among
-    its rows' k best, and one top-k over them (rows side by side) is one over rows x vocabulary."""
+    its rows' k best, and one top-k over them (rows side by side) is one over rows x vocabulary.
+
+    NumPy arrays, as in select(): the search's arrays are a few hundred numbers, where a NumPy call
+    costs a fraction of a torch call (the rule runs between every two decoder steps)."""
     per_row = top_log_probs.shape[1]
     totals = top_log_probs + row_scores[:, None]
-    starts = counts.cumsum(0) - counts
-    offsets = torch.arange(int(counts.max()))
-    index = torch.where(offsets < counts[:, None], starts[:, None] + offsets, len(row_scores))  # R: padding
-    padded = torch.cat([totals, totals.new_full((1, per_row), NEG_INF)])[index].view(len(counts), -1)
-    best = padded.sort(dim=1, descending=True, stable=True)  # stable: ties to the lower row, then token
-    scores, at = best.values[:, :k], best.indices[:, :k]
-    tokens = torch.cat([top_tokens, top_tokens.new_zeros(1, per_row)])[index].view(len(counts), -1)
-    return Candidates(scores, index.gather(1, at // per_row), tokens.gather(1, at))
+    starts = np.cumsum(counts) - counts
+    offsets = np.arange(counts.max())
+    index = np.where(offsets < counts[:, None], starts[:, None] + offsets, len(row_scores))  # R: padding
+    padded = np.concatenate([totals, np.full((1, per_row), NEG_INF, totals.dtype)])[index].reshape(len(counts), -1)
+    at = np.argsort(-padded, axis=1, kind="stable")[:, :k]  # stable: ties to the lower row, then token
+    tokens = np.concatenate([top_tokens, np.zeros((1, per_row), top_tokens.dtype)])[index].reshape(len(counts), -1)
+    return Candidates(np.take_along_axis(padded, at, 1), np.take_along_axis(index, at // per_row, 1),
+                      np.take_along_axis(tokens, at, 1))
 
 
 class Selection(NamedTuple):
-    finishing: torch.Tensor  # (S, K) candidates that finish a hypothesis
-    kept: torch.Tensor  # (S, K) candidates that are the next step's beams, at most `beam` each
-    done: torch.Tensor  # (S,) sequences whose search ends with this step
+    finishing: np.ndarray  # (S, K) candidates that finish a hypothesis
+    kept: np.ndarray  # (S, K) candidates that are the next step's beams, at most `beam` each
+    done: np.ndarray  # (S,) sequences whose search ends with this step
 
 
-def select(scores: torch.Tensor, ends: torch.Tensor, last: torch.Tensor, beams: torch.Tensor,
-           finished: torch.Tensor) -> Selection:
+def select(scores: np.ndarray, ends: np.ndarray, last: np.ndarray, beams: np.ndarray,
+           finished: np.ndarray) -> Selection:
     """One step's decisions for all sequences: scores (S, K) their candidates, best first; ends
     (S, K) where the token is EOS; last (S,) this is the sequence's last step; beams (S,) its beam
     size; finished (S,) the hypotheses it held before this step."""
-    rank = torch.arange(scores.shape[1])
+    rank = np.arange(scores.shape[1])
     real = (scores > NEG_INF) & (rank < 2 * beams[:, None])
     final = real & (ends | last[:, None])
     finishing = final & (rank < beams[:, None])  # only candidates that rank inside the beam may finish
     going = real & ~final
-    kept = going & (going.cumsum(1) <= beams[:, None])
+    kept = going & (np.cumsum(going, 1) <= beams[:, None])
     done = (finished + finishing.sum(1) >= beams) | last | ~kept.any(1)
     return Selection(finishing, kept, done)

@@ -2,6 +2,7 @@
 search rule and the output-length limit are training.seq2seq.beam's, shared with the server."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .beam import NEG_INF, Hypothesis, candidates, force_prefix, output_limit, select
@@ -54,15 +55,16 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
     cfg = model.cfg
     n_sent = src.shape[0]
     enc = model.encode(src, src_tags)
-    max_len = _max_lengths(src, cfg.pad_id, max_len_a, max_len_b, cfg.max_positions)
+    max_len = _max_lengths(src, cfg.pad_id, max_len_a, max_len_b, cfg.max_positions).numpy()
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
-    alive = torch.arange(n_sent)  # sentence ids still searching
+    # The search's own state is NumPy, as the rule's (training.seq2seq.beam); the model gets torch.
+    alive = np.arange(n_sent)  # sentence ids still searching
     # Row b*beam + k is beam k of alive sentence b. Only beam 0 is live at step 0.
-    scores = torch.full((n_sent, beam), NEG_INF)
+    scores = np.full((n_sent, beam), NEG_INF, np.float32)
     scores[:, 0] = 0.0
-    held = torch.zeros(n_sent, dtype=torch.long)  # finished hypotheses per alive sentence
+    held = np.zeros(n_sent, np.int64)  # finished hypotheses per alive sentence
     tokens = torch.full((n_sent * beam,), cfg.bos_id, dtype=torch.long)
-    history = torch.empty((n_sent * beam, 0), dtype=torch.long)
+    history = np.empty((n_sent * beam, 0), np.int64)
     cache = None
     for step in range(int(max_len.max())):
         log_probs, cache = model.decode_step(tokens, step, enc, cache, beam)
@@ -70,26 +72,28 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
         for b, sentence in enumerate(alive.tolist()) if prefixes else ():
             if step < len(prefixes[sentence]):
                 force_prefix(log_probs, slice(b * beam, (b + 1) * beam), prefixes[sentence][step])
-        beams = torch.full((n,), beam)
+        beams = np.full(n, beam)
         top = log_probs.topk(min(2 * beam, log_probs.shape[-1]), dim=1)
-        cand = candidates(scores.flatten(), *top, beams, 2 * beam)
+        cand = candidates(scores.reshape(-1), top.values.float().cpu().numpy(), top.indices.cpu().numpy(), beams,
+                          2 * beam)
         pick = select(cand.scores, cand.tokens == cfg.eos_id, step + 1 >= max_len[alive], beams, held)
         ends = pick.finishing
-        for b, row, t, s in zip(ends.nonzero()[:, 0].tolist(), cand.rows[ends].tolist(), cand.tokens[ends].tolist(),
+        for b, row, t, s in zip(ends.nonzero()[0].tolist(), cand.rows[ends].tolist(), cand.tokens[ends].tolist(),
                                 cand.scores[ends].tolist()):
             finished[int(alive[b])].append(Hypothesis.ending(history[row].tolist(), t, s, length_penalty, cfg.eos_id))
-        keep = (~pick.done).nonzero()[:, 0]
+        keep = np.flatnonzero(~pick.done)
         if not len(keep):
             break
         # each sentence's kept candidates, in rank order, fill its beam; the rest stay dead (-inf)
-        take = (~pick.kept).to(torch.uint8).argsort(dim=1, stable=True)[keep, :beam]
-        filled = pick.kept[keep].gather(1, take)
-        rows = cand.rows[keep].gather(1, take).masked_fill(~filled, 0).flatten()
-        tokens = cand.tokens[keep].gather(1, take).masked_fill(~filled, cfg.eos_id).flatten()
-        scores = cand.scores[keep].gather(1, take).masked_fill(~filled, NEG_INF)
+        take = np.argsort(~pick.kept[keep], axis=1, kind="stable")[:, :beam]
+        filled = np.take_along_axis(pick.kept[keep], take, 1)
+        rows = np.where(filled, np.take_along_axis(cand.rows[keep], take, 1), 0).reshape(-1)
+        picked = np.where(filled, np.take_along_axis(cand.tokens[keep], take, 1), cfg.eos_id).reshape(-1)
+        scores = np.where(filled, np.take_along_axis(cand.scores[keep], take, 1), np.float32(NEG_INF))
         alive, held = alive[keep], held[keep] + pick.finishing[keep].sum(1)
-        history = torch.cat([history.index_select(0, rows), tokens[:, None]], 1)
-        cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
+        history = np.concatenate([history[rows], picked[:, None]], 1)
+        tokens, moved = torch.from_numpy(picked), torch.from_numpy(rows)
+        cache = [(k.index_select(0, moved.to(k.device)), v.index_select(0, moved.to(v.device))) for k, v in cache]
         if len(keep) < enc.src_pad.shape[0]:
-            enc = enc.select(keep)
+            enc = enc.select(torch.from_numpy(keep))
     return [sorted(h, key=lambda x: -x.score)[:n_best] for h in finished]
