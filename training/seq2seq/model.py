@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -235,18 +236,22 @@ def grown_step(model, tokens: torch.Tensor, step: int, enc: EncoderState, cache:
 def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_slot (R,), group_rows (B, W)) for rows in any order: row r is slot w of its sentence's
     group (its w-th row), row_slot[r] = sentence * W + w, group_rows[b, w] = that row, or R where
-    sentence b has fewer than W rows. Rows of sentence -1 join no group (row_slot 0)."""
-    rows = row_sentence.shape[0]
-    live = (row_sentence >= 0).nonzero()[:, 0]
-    sentence = row_sentence.index_select(0, live)
-    counts = torch.bincount(sentence, minlength=n_sentences)
+    sentence b has fewer than W rows. Rows of sentence -1 join no group (row_slot 0). Computed in
+    NumPy on the host (a few hundred numbers, where a torch call costs several NumPy calls) and
+    handed back on row_sentence's device."""
+    row_sentence_host = row_sentence.cpu().numpy()
+    rows = len(row_sentence_host)
+    live = np.flatnonzero(row_sentence_host >= 0)
+    sentence = row_sentence_host[live]
+    counts = np.bincount(sentence, minlength=n_sentences)
     width = max(1, int(counts.max())) if len(live) else 1
-    order = torch.sort(sentence, stable=True).indices
-    first = torch.cumsum(counts, 0) - counts
-    within = torch.empty_like(sentence)
-    within[order] = torch.arange(len(live), device=sentence.device) - first[sentence[order]]
-    row_slot = torch.zeros(rows, dtype=torch.long, device=sentence.device)
+    order = np.argsort(sentence, kind="stable")
+    first = np.cumsum(counts) - counts
+    within = np.empty_like(sentence)
+    within[order] = np.arange(len(live)) - first[sentence[order]]
+    row_slot = np.zeros(rows, np.int64)
     row_slot[live] = sentence * width + within
-    group_rows = torch.full((n_sentences * width,), rows, dtype=torch.long, device=sentence.device)
+    group_rows = np.full(n_sentences * width, rows, np.int64)
     group_rows[sentence * width + within] = live
-    return row_slot, group_rows.view(n_sentences, width)
+    device = row_sentence.device
+    return torch.from_numpy(row_slot).to(device), torch.from_numpy(group_rows.reshape(n_sentences, width)).to(device)
