@@ -269,8 +269,8 @@ class Batch:
         rows of a running batch are at every step of their texts, and a young row's fork moves a
         few columns, not the oldest row's. The two sets never meet. Slot by slot over all planes at
         once: a strided copy per slot beats a gather and a scatter per plane, which index_select does
-        slowly on a narrowed cache. On CPU through numpy: its views and copies cost a fraction of
-        torch's per-call overhead, which a copy of a few columns is mostly made of."""
+        slowly on a narrowed cache. On CPU through NumPy, whose views and copies cost less per call
+        than torch's."""
         kv = self.kv.numpy() if self.kv.device.type == "cpu" else self.kv  # the same memory
         for source, target, n in zip(sources.tolist(), targets.tolist(), columns.tolist()):
             kv[:, target, :, :n] = kv[:, source, :, :n]
