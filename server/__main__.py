@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     if prepare_only:
         print("prepared: " + ", ".join(f"{p.entry.name} ({p.entry.version})" for p in registry))
         return 0
+    # asyncio's own loop, not uvloop: libuv's add_reader makes the worker pipes non-blocking, and
+    # multiprocessing's Connection, which reads and writes a message whole, then fails on a partial one
     asyncio.run(App(config, registry, metrics).serve_forever())
     return 0
 
