@@ -21,8 +21,8 @@ def main(argv=None) -> int:
     from .metrics import Metrics
     from .registry import Registry
 
-    # torch does the engine's bookkeeping (candidates, cache reordering); with the ONNX Runtime or
-    # CTranslate2 backend the heavy work has its own threads, and torch's pool would compete.
+    # torch moves the engine's cache and encoder slots between steps (small copies); with the ONNX
+    # Runtime or CTranslate2 backend the heavy work has its own threads, and torch's pool would compete.
     torch.set_num_threads(config.threads if config.backend == "torch" else 1)
     metrics = Metrics()
     try:

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, force_prefix, select
+from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, first_rows, force_prefix, select
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
@@ -151,7 +151,7 @@ class Batch:
             top_log_probs, top_tokens = row_topk()(self._constrain(log_probs.float()), k)
         top_log_probs, top_tokens = host(top_log_probs), host(top_tokens)
         cand = candidates(self.scores, top_log_probs[self.slot], top_tokens[self.slot], self.counts, k)
-        length = self.positions[self.starts()] + 1  # of each sequence
+        length = self.positions[first_rows(self.counts)] + 1  # of each sequence
         pick = select(cand.scores, cand.tokens == self.cfg.eos_id, length >= self.limits, self.beams, self.held)
         self.held = self.held + pick.finishing.sum(1)
         self._finish_hypotheses(cand, pick.finishing)
@@ -176,15 +176,11 @@ class Batch:
         keep = np.ones(len(self.seqs), bool)
         keep[list(dropped)] = False
         leaving = [self.seqs[i] for i in sorted(dropped)]
-        for seq, steps in zip(leaving, self.positions[self.starts()][~keep].tolist()):
+        for seq, steps in zip(leaving, self.positions[first_rows(self.counts)][~keep].tolist()):
             seq.step = steps
         rows = np.flatnonzero(keep[self.row_seq])
         self._reorder(rows, self.tokens[rows], self.scores[rows], self.counts[keep], np.flatnonzero(keep), leaving,
                       stepped=False)
-
-    def starts(self) -> np.ndarray:
-        """Each sequence's first row."""
-        return np.cumsum(self.counts) - self.counts
 
     # ---- internals -------------------------------------------------------------------------
     def _finish_hypotheses(self, cand, finishing: np.ndarray) -> None:
@@ -200,7 +196,7 @@ class Batch:
         """A target prefix (forced while the step is inside it; training.seq2seq.beam.force_prefix), else
         min_length (no EOS before that many tokens) and no_repeat_ngram, per row (log_probs are per
         slot); rare options, so plain Python over the sequences that have them."""
-        starts = self.starts().tolist()
+        starts = first_rows(self.counts).tolist()
         for i, seq in enumerate(self.seqs):
             if not constrained(seq):
                 continue

@@ -66,6 +66,11 @@ def force_prefix(log_probs: torch.Tensor, rows, token: int) -> None:
     log_probs[rows, token] = 0.0
 
 
+def first_rows(counts: np.ndarray) -> np.ndarray:
+    """Where each group of consecutive rows starts, given the groups' sizes."""
+    return np.cumsum(counts) - counts
+
+
 class Candidates(NamedTuple):
     scores: np.ndarray  # (S, K) best first; -inf where a sequence has fewer than K
     rows: np.ndarray  # (S, K) the row each one extends
@@ -83,7 +88,7 @@ def candidates(row_scores: np.ndarray, top_log_probs: np.ndarray, top_tokens: np
     costs a fraction of a torch call (the rule runs between every two decoder steps)."""
     per_row = top_log_probs.shape[1]
     totals = top_log_probs + row_scores[:, None]
-    starts = np.cumsum(counts) - counts
+    starts = first_rows(counts)
     offsets = np.arange(counts.max())
     index = np.where(offsets < counts[:, None], starts[:, None] + offsets, len(row_scores))  # R: padding
     padded = np.concatenate([totals, np.full((1, per_row), NEG_INF, totals.dtype)])[index].reshape(len(counts), -1)

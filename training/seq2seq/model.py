@@ -20,6 +20,7 @@ from torch import nn
 from kernels.context_gate import gated_output
 from kernels.cross_attention import memory_kv
 
+from .beam import first_rows
 from .config import ModelConfig
 from .gret import ContextGate, GlobalState
 from .graph_encoder import GraphEncoder
@@ -246,7 +247,7 @@ def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tens
     counts = np.bincount(sentence, minlength=n_sentences)
     width = max(1, int(counts.max())) if len(live) else 1
     order = np.argsort(sentence, kind="stable")
-    first = np.cumsum(counts) - counts
+    first = first_rows(counts)
     within = np.empty_like(sentence)
     within[order] = np.arange(len(live)) - first[sentence[order]]
     row_slot = np.zeros(rows, np.int64)

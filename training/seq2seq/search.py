@@ -92,8 +92,8 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
         scores = np.where(filled, np.take_along_axis(cand.scores[keep], take, 1), np.float32(NEG_INF))
         alive, held = alive[keep], held[keep] + pick.finishing[keep].sum(1)
         history = np.concatenate([history[rows], picked[:, None]], 1)
-        tokens, moved = torch.from_numpy(picked), torch.from_numpy(rows)
-        cache = [(k.index_select(0, moved.to(k.device)), v.index_select(0, moved.to(v.device))) for k, v in cache]
+        tokens, moved = torch.from_numpy(picked), torch.from_numpy(rows).to(cache[0][0].device)
+        cache = [(k.index_select(0, moved), v.index_select(0, moved)) for k, v in cache]
         if len(keep) < enc.src_pad.shape[0]:
             enc = enc.select(torch.from_numpy(keep))
     return [sorted(h, key=lambda x: -x.score)[:n_best] for h in finished]
