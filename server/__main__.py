@@ -3,11 +3,12 @@
 Serves every model under models/ (shipped checkpoints are exported to ONNX on first start)."""
 from __future__ import annotations
 
-import asyncio
+import gc
 import logging
 import sys
 
 import torch
+import uvloop
 
 from . import config as server_config
 from . import logs
@@ -21,8 +22,9 @@ def main(argv=None) -> int:
     from .metrics import Metrics
     from .registry import Registry
 
-    # torch moves the engine's cache and encoder slots between steps (small copies); with the ONNX
-    # Runtime or CTranslate2 backend the heavy work has its own threads, and torch's pool would compete.
+    # torch holds the engine's cache and encoder slots (allocations and views; the copies between steps
+    # go through NumPy); with the ONNX Runtime or CTranslate2 backend the heavy work has its own
+    # threads, and torch's pool would compete.
     torch.set_num_threads(config.threads if config.backend == "torch" else 1)
     metrics = Metrics()
     try:
@@ -33,9 +35,12 @@ def main(argv=None) -> int:
     if prepare_only:
         print("prepared: " + ", ".join(f"{p.entry.name} ({p.entry.version})" for p in registry))
         return 0
-    # asyncio's own loop, not uvloop: libuv's add_reader makes the worker pipes non-blocking, and
-    # multiprocessing's Connection, which reads and writes a message whole, then fails on a partial one
-    asyncio.run(App(config, registry, metrics).serve_forever())
+    # What loading made (modules, models, tokenizers) lives as long as the server: the collector
+    # need not walk it again at every full collection, which calls' garbage triggers
+    gc.freeze()
+    # uvloop: gRPC's and HTTP's callbacks run on libuv's loop, which spends less of the parent
+    # process's CPU per call than asyncio's own; that CPU is what the engine's workers share the cores with
+    uvloop.run(App(config, registry, metrics).serve_forever())
     return 0
 
 

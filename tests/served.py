@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import uvloop
+
 from export.__main__ import main as export_main
 from server.app import App
 from server.config import ServerConfig
@@ -42,13 +44,13 @@ def train_models(root: Path) -> Path:
 
 
 class RunningServer:
-    """App on its own event loop thread, bound to a free loopback port."""
+    """App on its own event loop thread (uvloop's, as `python -m server` runs it), bound to a free loopback port."""
 
     def __init__(self, config: ServerConfig):
         self.metrics = Metrics()
         self.registry = Registry.load(config, self.metrics)
         self.app = App(config, self.registry, self.metrics)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.port = self.call(self.app.start())

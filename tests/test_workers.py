@@ -141,6 +141,16 @@ def test_a_repeated_request_is_answered_in_the_parent_and_never_reaches_a_worker
     assert sample(processes, "gret_serve_result_cache_hits_total") == hits + 4
 
 
+def test_the_pipes_the_parent_reads_on_uvloops_loop_stay_blocking(servers, group):
+    """uvloop's add_reader makes a watched fd non-blocking; the parent reads each batch of reports
+    with multiprocessing's Connection, which needs the whole message, so one larger than the pipe's
+    buffer would fail half-read and pass for the worker's exit (a live worker then waits forever)."""
+    processes, _ = servers
+    assert type(processes.loop).__module__.startswith("uvloop")
+    stub(processes).Translate(request(english(2, offset=130), beam=1), timeout=60)  # the loop reads both pipes
+    assert all(w.ready.is_set() and os.get_blocking(w.conn.fileno()) for w in group.workers)
+
+
 def test_a_cancelled_call_leaves_the_workers_batches_and_the_other_call_is_unaffected(servers, recorder):
     processes, _ = servers
     other = request(english(1, offset=140), beam=1, **LONG)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -307,7 +308,11 @@ class Worker:
 
     def _listen(self) -> None:
         if not self.closed.is_set():  # else read_to_end ran first: the pipe is done with
-            self.group.loop.add_reader(self.conn.fileno(), self._readable)
+            fd = self.conn.fileno()
+            self.group.loop.add_reader(fd, self._readable)
+            # uvloop's add_reader makes the fd non-blocking, and Connection reads and writes a message
+            # whole: a batch of reports larger than the pipe's buffer would fail half-read
+            os.set_blocking(fd, True)
 
     def _readable(self) -> None:
         """On the loop: every report waiting in the pipe. Its end (the worker exited) goes to the
