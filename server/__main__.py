@@ -36,7 +36,9 @@ def main(argv=None) -> int:
         print("prepared: " + ", ".join(f"{p.entry.name} ({p.entry.version})" for p in registry))
         return 0
     # What loading made (modules, models, tokenizers) lives as long as the server: the collector
-    # need not walk it again at every full collection, which calls' garbage triggers
+    # need not walk it again at every full collection, which calls' garbage triggers. Its garbage
+    # goes first: frozen, an unreachable cycle (an export's, a verification's) would never be freed.
+    gc.collect()
     gc.freeze()
     # uvloop: gRPC's and HTTP's callbacks run on libuv's loop, which spends less of the parent
     # process's CPU per call than asyncio's own; that CPU is what the engine's workers share the cores with
