@@ -53,7 +53,7 @@ from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, first_rows, f
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
-from .source_slots import SourceSlots
+from .source_slots import SourceSlots, host
 from .topk import row_topk
 
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
@@ -325,11 +325,6 @@ def fit_columns(history: np.ndarray, columns: int) -> np.ndarray:
     if width <= history.shape[1]:
         return history[:, :width]
     return np.concatenate([history, np.zeros((len(history), width - history.shape[1]), history.dtype)], 1)
-
-
-def host(t: torch.Tensor) -> np.ndarray:
-    """A step's output as NumPy: the same memory on CPU, a copy from an accelerator."""
-    return t.detach().cpu().numpy()
 
 
 def whole_steps(columns: int) -> int:

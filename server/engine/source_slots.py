@@ -135,7 +135,8 @@ class SourceSlots:
 
 
 def host(t: torch.Tensor) -> np.ndarray:
-    """An encoder output as NumPy: the same memory on CPU, where the slots live."""
+    """A tensor as NumPy: the same memory on CPU, a copy from an accelerator (a step's outputs, an
+    encoder's; the slots themselves live on the CPU)."""
     return t.detach().cpu().numpy()
 
 
