@@ -10,7 +10,7 @@ import torch
 from export.ct2_runtime import max_lengths
 from server.engine.options import DecodingOptions, Limits
 from tests.architectures import tiny_config
-from training.seq2seq.beam import NEG_INF, candidates, first_rows, output_limit, select
+from training.seq2seq.beam import NEG_INF, candidates, output_limit, select
 from training.seq2seq.config import ModelConfig
 from training.seq2seq.search import _max_lengths
 
@@ -39,7 +39,7 @@ def vectorised_step(scores, log_probs, counts, beams, last, held):
     best = log_probs.sort(dim=1, descending=True, stable=True)  # each row's best, ties to the lower token
     cand = candidates(scores.numpy(), best.values[:, :k].numpy(), best.indices[:, :k].numpy(), np.array(counts), k)
     pick = select(cand.scores, cand.tokens == EOS, np.array(last), np.array(beams), np.array(held))
-    starts = first_rows(np.array(counts))
+    starts = [sum(counts[:i]) for i in range(len(counts))]  # each sequence's first row, counted plainly
 
     def listed(mask, i):
         return [(int(cand.rows[i, j] - starts[i]), int(cand.tokens[i, j]), float(cand.scores[i, j]))

@@ -98,7 +98,8 @@ class SourceSlots:
         memory[:, low] = memory[:, high]
         for t in (self.src_pad, self.global_state, self.gate_source):
             if t is not None:
-                t.numpy()[low] = t.numpy()[high]
+                a = t.numpy()
+                a[low] = a[high]
         self.lengths[low] = self.lengths[high]
         self.free(high)
         moved = np.arange(self.capacity)
