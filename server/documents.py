@@ -24,11 +24,19 @@ from typing import Callable
 
 import sentencex
 
-LINES = re.compile(r"[^\r\n\u2028\u2029\x85\x0b\x0c]+")  # what str.splitlines() splits on, kept as gaps
+BREAKS = r"\r\n\u2028\u2029\x85\x0b\x0c"  # what str.splitlines() splits on
+LINES = re.compile(f"[^{BREAKS}]+")  # line breaks are kept as gaps
 CLAUSE_ENDS = re.compile(r"[,;:\u2013\u2014](?=\s)")  # a clause may end after these, before a space
 DIGIT_AFTER_STOP = re.compile(r"(?<=[^\W\d_])([.!?]+[\"'\u201c\u201d\u00bb\u00ab)]*\s+)\d")  # 'Landschaft. 2'
 NUMBERED = re.compile(r"(?i:\b(?:abb|abs|anm|art|aufl|bd|bsp|fig|fn|hft|jg|jh|kap|nr|no|pp?|rn|sp|tab|tel|vol|"
                       r"ziff|s|\w*str))\.\S*\s+$")  # abbreviations that stand before a number
+# A line whose sentence marks (. ! ?) all stand at its end, and whose other characters are letters,
+# digits, spaces within the line or punctuation that ends no sentence in any script, is one
+# sentence: sentencex, most of the text pipeline's cost for a one-sentence text, is not asked.
+# Left out: ';' (a Greek question mark), brackets (sentencex starts a sentence at a list's '2)'),
+# a second closing quote. tests/test_documents.py holds the shortcut to sentencex over the corpora.
+SPACE = f"[^\\S{BREAKS}]"  # a space that breaks no line (sentencex ends a sentence at a blank line)
+ONE_SENTENCE = re.compile(f"(?:[\\w,:'\"«»„“”‘’‚/&%+*=@#$€£–—-]|{SPACE})*[.!?]*[\"'«»“”‘’]?{SPACE}*")
 
 
 @dataclass
@@ -77,6 +85,8 @@ def sentence_spans(text: str, language: str, by_line: bool = True) -> list[tuple
 def sentence_starts(line: str, language: str) -> list[int]:
     """Where sentencex starts the line's sentences, and (rule 2) where a sentence that starts with
     a digit begins, in a language whose sentencex rules never start one there."""
+    if ONE_SENTENCE.fullmatch(line):
+        return [0]
     starts = [b["start_index"] for b in sentencex.get_sentence_boundaries(language, line)]
     if not starts or not _no_digit_starts(language):
         return starts

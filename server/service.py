@@ -44,6 +44,7 @@ DEADLINE_SLACK_S = 0.25
 INLINE_TAGGING_CHARS = 256
 FAILURE_CODES = {DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED, CANCELLED: grpc.StatusCode.CANCELLED,
                  UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
+TEXT_FORMATS = frozenset(pb.TextFormat.values())  # protobuf builds the list anew on every values()
 
 
 class CallError(Exception):
@@ -235,7 +236,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             options = decoding_options(request.options).check(pipeline.limits)
             if options.diagnostics:
                 pipeline.check_diagnostics()
-            if task == "translate" and request.format not in pb.TextFormat.values():
+            if task == "translate" and request.format not in TEXT_FORMATS:
                 raise InputError(f"format {request.format} is not a TextFormat: use one of "
                                  f"{', '.join(pb.TextFormat.keys())}")
         except (OptionError, InputError) as e:

@@ -8,13 +8,14 @@ import io
 
 import grpc
 import pytest
+import sentencex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import gret_serve_pb2 as pb
 from server import client as client_cli
 from server.client import Client
-from server.documents import CLAUSE_ENDS, segment, whole
+from server.documents import CLAUSE_ENDS, ONE_SENTENCE, segment, whole
 from server.languages import normalize
 from server.markup import markup_of, segment_html
 from server.unknowns import Alphabet, protect, restore
@@ -84,6 +85,29 @@ def test_any_text_is_cut_where_the_rules_say_and_put_back_whole(text):
     assert all(s == s.strip() and s and "\n" not in s for s in layout.segments)
     for s in layout.segments:
         assert fits(s) or not any(m.end() < len(s) for m in CLAUSE_ENDS.finditer(s)), s
+
+
+def corpus_lines() -> list[tuple[str, str]]:
+    """(line, language) for every source line of the corpora's held-out splits."""
+    pairs = [("de", "en"), ("en", "fr"), ("fr", "de")]
+    lines = [(e.source, src) for src, tgt in pairs for split in ("val", "test_2016_flickr", "test_2017_flickr")
+             for e in load_examples("multi30k", split, src, tgt)]
+    for dataset, split in (("gigaword", "valid"), ("aeslc", "dev")):
+        lines += [(line, "en") for e in load_examples(dataset, split) for line in e.source.splitlines()]
+    return lines
+
+
+def test_a_line_the_one_sentence_shortcut_takes_is_one_sentence_to_sentencex():
+    """The shortcut (ONE_SENTENCE) only skips sentencex where sentencex would find one sentence: over
+    every held-out line of the corpora, and on marks that end a sentence in other scripts."""
+    taken = 0
+    for line, language in corpus_lines():
+        if ONE_SENTENCE.fullmatch(line):
+            taken += 1
+            assert len(sentencex.get_sentence_boundaries(language, line)) == 1, (language, line)
+    assert taken > 5000  # it pays: most captions are one sentence with its mark at the end
+    for line in ["Τι κάνεις; Καλά", "नमस्ते। आप कैसे हैं", "你好。我很好", "Warte… dann geh", "Eins\n\nZwei", "Dr. Müller kommt"]:
+        assert not ONE_SENTENCE.fullmatch(line), line  # sentencex decides
 
 
 def test_a_clause_that_cannot_fit_stays_whole():

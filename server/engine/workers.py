@@ -25,6 +25,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import threading
 import time
@@ -88,7 +89,7 @@ class Outcome:
     id: int
     status: str
     message: str
-    finished: list[Hypothesis]
+    hypotheses: list[Hypothesis]  # the n best, best first: all the parent answers with (not the whole beam's)
     step: int
     admitted: float | None
     encoded: float | None
@@ -214,7 +215,7 @@ class WorkerReplicas:
         before the client hears of it, as the engine does."""
         seq.step, seq.admitted, seq.encoded, seq.cache_hit = (outcome.step, outcome.admitted, outcome.encoded,
                                                               outcome.cache_hit)
-        seq.finished = list(outcome.finished)
+        seq.finished = list(outcome.hypotheses)
 
         def record(s: Sequence) -> None:
             if s.status == OK:
@@ -313,12 +314,15 @@ class Worker:
             # uvloop's add_reader makes the fd non-blocking, and Connection reads and writes a message
             # whole: a batch of reports larger than the pipe's buffer would fail half-read
             os.set_blocking(fd, True)
+            self.poller = select.poll()  # is more waiting? (Connection.poll builds a selector each time)
+            self.poller.register(fd, select.POLLIN)
 
     def _readable(self) -> None:
         """On the loop: every report waiting in the pipe. Its end (the worker exited) goes to the
         supervisor thread, which fails what the worker held and starts another."""
         try:
-            while self.conn.poll():
+            self._receive()
+            while self.poller.poll(0):
                 self._receive()
         except (EOFError, OSError):
             self.group.loop.remove_reader(self.conn.fileno())
@@ -447,7 +451,7 @@ def serve(spec: WorkerSpec, conn) -> None:
 
     def on_done(seq: Sequence) -> None:
         live.pop(seq.id, None)
-        reporter.send("done", Outcome(seq.id, seq.status, seq.message, seq.finished, seq.step, seq.admitted,
+        reporter.send("done", Outcome(seq.id, seq.status, seq.message, seq.hypotheses, seq.step, seq.admitted,
                                       seq.encoded, seq.cache_hit))
 
     def handle(kind: str, body) -> bool:
@@ -470,11 +474,13 @@ def serve(spec: WorkerSpec, conn) -> None:
     reporter.engine = engine
     live: dict[int, Sequence] = {}
     conn.send([("ready", None)])
+    waiting = select.poll()  # a message in the pipe? (Connection.poll builds a selector each time)
+    waiting.register(conn.fileno(), select.POLLIN)
     going = True
     while going:
         wait = None if engine.idle() else 0  # block only when there is nothing to decode
         try:
-            while going and conn.poll(wait):
+            while going and waiting.poll(wait):
                 going, wait = handle(*conn.recv()), 0
         except (EOFError, OSError):  # the parent is gone
             break
