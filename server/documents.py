@@ -36,7 +36,8 @@ NUMBERED = re.compile(r"(?i:\b(?:abb|abs|anm|art|aufl|bd|bsp|fig|fn|hft|jg|jh|ka
 # Left out: ';' (a Greek question mark), brackets (sentencex starts a sentence at a list's '2)'),
 # a second closing quote. tests/test_documents.py holds the shortcut to sentencex over the corpora.
 SPACE = f"[^\\S{BREAKS}]"  # a space that breaks no line (sentencex ends a sentence at a blank line)
-ONE_SENTENCE = re.compile(f"(?:[\\w,:'\"«»„“”‘’‚/&%+*=@#$€£–—-]|{SPACE})*[.!?]*[\"'«»“”‘’]?{SPACE}*")
+WORDS = "\\w,:'\"«»„“”‘’‚/&%+*=@#$€£–—-"  # letters, digits and punctuation that ends no sentence
+ONE_SENTENCE = re.compile(f"(?:[{WORDS}]|{SPACE})*[.!?]*[\"'«»“”‘’]?{SPACE}*")
 
 
 @dataclass

@@ -271,6 +271,27 @@ def test_an_expired_deadline_fails_the_text_waiting_or_running():
     assert engine.idle()
 
 
+def test_waiting_texts_are_looked_at_after_a_cancel_or_once_the_earliest_deadline_passes(monkeypatch):
+    """Hundreds of texts may wait: the engine reads them only when one may be doomed, after a client's
+    cancel (which wakes it) or once the earliest of their deadlines has passed, not at every step."""
+    model = tiny_model()
+    engine = engine_for(model, "none")  # one text at a time: the others wait
+    first, cancelled, expiring = (make_seq(model, s) for s in sources(model, [6, 6, 6], seed=6))
+    expiring.deadline = time.monotonic() + 3600
+    engine.submit([first, cancelled, expiring])
+    engine.iterate()
+    cancelled.cancelled = True
+    engine.iterate()
+    assert cancelled.status is None  # nobody woke the engine: it has not looked
+    engine.wake()
+    engine.iterate()
+    assert cancelled.status == CANCELLED and expiring.status is None
+    later = time.monotonic() + 7200
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    engine.iterate()
+    assert expiring.status == DEADLINE
+
+
 def test_a_repeated_source_skips_the_encoder():
     model = tiny_model()
     src = sources(model, [9], seed=5)[0]

@@ -85,6 +85,7 @@ class Engine:
         cfg = backend.cfg
         self.batch = Batch(cfg, cfg.n_heads, cfg.d_model // cfg.n_heads, torch.device("cpu"))
         self._cond = threading.Condition()
+        self._cancels = False  # a client cancelled since the last look at the waiting texts (wake)
         self.accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
@@ -130,6 +131,7 @@ class Engine:
     def wake(self) -> None:
         """Re-check cancellations now (a waiting sequence may have been cancelled)."""
         with self._cond:
+            self._cancels = True
             self._cond.notify()
 
     def drain(self) -> None:
@@ -197,8 +199,10 @@ class Engine:
     def _drop_doomed(self) -> None:
         now = time.monotonic()
         doomed = lambda s: s.cancelled or s.expired(now)  # noqa: E731
-        for seq in self.scheduler.drop(doomed):
-            self._finish_doomed(seq)
+        if self._cancels or now >= self.scheduler.waiting.earliest:  # else no waiting text is doomed
+            self._cancels = False
+            for seq in self.scheduler.drop(doomed):
+                self._finish_doomed(seq)
         dropped = {i for i, s in enumerate(self.batch.seqs) if doomed(s)}
         if dropped:
             seqs = [self.batch.seqs[i] for i in dropped]

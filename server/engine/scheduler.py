@@ -37,6 +37,7 @@ Policies (the server benchmark compares them on one model):
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -72,6 +73,9 @@ class Waiting:
     def __init__(self):
         self.levels: dict[int, deque[Line]] = {}
         self._count = 0
+        # No waiting text's deadline is before this (exact after remove(); taking a text may leave it
+        # early): until then, only a cancel can doom a waiting text, and nobody need look at them all.
+        self.earliest = math.inf
 
     def add(self, seqs: list[Sequence]) -> None:
         """One call's texts (of one priority: its first text's) join the back of its priority's turns.
@@ -83,6 +87,7 @@ class Waiting:
             s.call = line.call
         self.levels.setdefault(line.priority, deque()).append(line)
         self._count += len(seqs)
+        self.earliest = min([self.earliest] + [s.deadline for s in seqs if s.deadline is not None])
 
     def top(self) -> deque[Line]:
         """The lines of the highest priority that has texts waiting, in turn order."""
@@ -104,13 +109,14 @@ class Waiting:
     def remove(self, doomed) -> list[Sequence]:
         """Takes out the texts for which doomed(seq) is true (asked once each: a cancel may land
         meanwhile); the turn order stays."""
-        gone = []
+        gone, self.earliest = [], math.inf
         for priority, level in list(self.levels.items()):
             for line in level:
                 kept = deque()
                 for s in line.texts:
                     (gone if doomed(s) else kept).append(s)
                 line.texts = kept
+                self.earliest = min([self.earliest] + [s.deadline for s in kept if s.deadline is not None])
             level = deque(line for line in level if line.texts)
             if level:
                 self.levels[priority] = level
@@ -122,6 +128,7 @@ class Waiting:
     def clear(self) -> None:
         self.levels.clear()
         self._count = 0
+        self.earliest = math.inf
 
     def __iter__(self):
         lines = [line for level in list(self.levels.values()) for line in list(level)]

@@ -240,6 +240,7 @@ class Worker:
         self.reported = Totals()  # what the running process last reported
         self.cache_stats: dict[str, int] = {}
         self.process = self.conn = None
+        self.poller: select.poll | None = None  # the pipe's, once the event loop reads it (_listen)
         self.ready = threading.Event()  # the worker takes texts
         self.started = threading.Event()  # the first start succeeded or failed (error)
         self.closed = threading.Event()  # the event loop read the pipe to its end
@@ -451,8 +452,8 @@ def serve(spec: WorkerSpec, conn) -> None:
 
     def on_done(seq: Sequence) -> None:
         live.pop(seq.id, None)
-        reporter.send("done", Outcome(seq.id, seq.status, seq.message, seq.hypotheses, seq.step, seq.admitted,
-                                      seq.encoded, seq.cache_hit))
+        reporter.send("done", Outcome(seq.id, seq.status, seq.message, seq.hypotheses, seq.step,
+                                      seq.admitted, seq.encoded, seq.cache_hit))
 
     def handle(kind: str, body) -> bool:
         """One message from the parent; False: stop."""
@@ -464,6 +465,7 @@ def serve(spec: WorkerSpec, conn) -> None:
         elif kind == "cancel":
             for seq in filter(None, map(live.get, body)):
                 seq.cancelled = True  # its rows leave at the next turn
+            engine.wake()  # and a waiting one is looked for
         return kind != "stop"
 
     reporter = Reporter(conn)
