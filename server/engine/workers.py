@@ -322,8 +322,7 @@ class Worker:
         """On the loop: every report waiting in the pipe. Its end (the worker exited) goes to the
         supervisor thread, which fails what the worker held and starts another."""
         try:
-            self._receive()
-            while self.poller.poll(0):
+            while self.poller.poll(0):  # asked first: a read with nothing there would block the loop
                 self._receive()
         except (EOFError, OSError):
             self.group.loop.remove_reader(self.conn.fileno())
