@@ -59,6 +59,11 @@ def batch_cost(seqs: list[Sequence]) -> int:
     return Load(seqs).cost()
 
 
+def earliest_deadline(seqs, before: float = math.inf) -> float:
+    """The earliest of the texts' deadlines and `before` (math.inf: none)."""
+    return min([before] + [s.deadline for s in seqs if s.deadline is not None])
+
+
 @dataclass(eq=False)
 class Line:
     """One call's waiting texts, first come first served."""
@@ -87,7 +92,7 @@ class Waiting:
             s.call = line.call
         self.levels.setdefault(line.priority, deque()).append(line)
         self._count += len(seqs)
-        self.earliest = min([self.earliest] + [s.deadline for s in seqs if s.deadline is not None])
+        self.earliest = earliest_deadline(seqs, self.earliest)
 
     def top(self) -> deque[Line]:
         """The lines of the highest priority that has texts waiting, in turn order."""
@@ -116,7 +121,7 @@ class Waiting:
                 for s in line.texts:
                     (gone if doomed(s) else kept).append(s)
                 line.texts = kept
-                self.earliest = min([self.earliest] + [s.deadline for s in kept if s.deadline is not None])
+                self.earliest = earliest_deadline(kept, self.earliest)
             level = deque(line for line in level if line.texts)
             if level:
                 self.levels[priority] = level

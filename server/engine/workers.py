@@ -315,8 +315,7 @@ class Worker:
             # uvloop's add_reader makes the fd non-blocking, and Connection reads and writes a message
             # whole: a batch of reports larger than the pipe's buffer would fail half-read
             os.set_blocking(fd, True)
-            self.poller = select.poll()  # is more waiting? (Connection.poll builds a selector each time)
-            self.poller.register(fd, select.POLLIN)
+            self.poller = pipe_poller(self.conn)  # is more waiting?
 
     def _readable(self) -> None:
         """On the loop: every report waiting in the pipe. Its end (the worker exited) goes to the
@@ -400,6 +399,14 @@ class ReportedCache:
         return dict(total)
 
 
+def pipe_poller(conn) -> select.poll:
+    """A poll object watching the pipe's end for a message (or its close): made once per pipe, where
+    Connection.poll builds a selector at every call, on both sides' hot paths."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return poller
+
+
 # ---- the worker's side ----------------------------------------------------------------------------
 class Reporter(Observer):
     """The worker engine's reports, sent to the parent (whose observer feeds the metrics).
@@ -475,8 +482,7 @@ def serve(spec: WorkerSpec, conn) -> None:
     reporter.engine = engine
     live: dict[int, Sequence] = {}
     conn.send([("ready", None)])
-    waiting = select.poll()  # a message in the pipe? (Connection.poll builds a selector each time)
-    waiting.register(conn.fileno(), select.POLLIN)
+    waiting = pipe_poller(conn)  # a message in the pipe?
     going = True
     while going:
         wait = None if engine.idle() else 0  # block only when there is nothing to decode
