@@ -8,6 +8,7 @@ CUDA tensors stay on the device between steps.
 """
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .spec import GraphSpec, decoder_spec, encoder_spec, present_names
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
+SMALL_INPUT_BYTES = 4096  # an input this small is copied into a kept tensor rather than bound anew (OnnxGraph.run)
 
 
 def default_device() -> str:
@@ -59,31 +61,52 @@ class OnnxGraph:
     def _binding(self) -> tuple[ort.IOBinding, dict]:
         """This thread's binding, kept from run to run, and what each name is bound to now."""
         if not hasattr(self.local, "binding"):
-            self.local.binding, self.local.bound = self.session.io_binding(), {}
+            self.local.binding, self.local.bound, self.local.owned = self.session.io_binding(), {}, {}
         return self.local.binding, self.local.bound
 
     def _bind(self, bind, bound: dict, t, tensor: torch.Tensor) -> None:
         """Bind a name to a tensor's memory unless it is bound to that address and shape already: most
-        of a decoder step's tensors (the cache, the encoder state) are the same from step to step,
-        and binding one costs about as much as a small kernel."""
+        of a decoder step's tensors (the cache, the encoder state) are the same from step to step."""
         at = (tensor.data_ptr(), tuple(tensor.shape))
         if bound.get(t.name) != at:
             bind(t.name, self.device.type, self.device.index or 0, NUMPY_TYPES[t.dtype], at[1], at[0])
             bound[t.name] = at
 
+    def _owned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This thread's own tensor for `name`: a view of storage that is kept and only ever grows, so
+        that its address stays from run to run (and its binding too, while the shape does)."""
+        owned, size = self.local.owned, math.prod(shape)
+        if name not in owned or owned[name].numel() < size or owned[name].dtype != dtype:
+            owned[name] = torch.empty(max(size, 2 * owned[name].numel() if name in owned else 0), dtype=dtype,
+                                      device=self.device)
+        return owned[name][:size].view(shape)
+
     def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
-            out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Outputs by name, written into `out`'s tensors where given (contiguous, of the right shape)."""
+            out: dict[str, torch.Tensor] | None = None, reuse: bool = False) -> dict[str, torch.Tensor]:
+        """Outputs by name, written into `out`'s tensors where given (contiguous, of the right shape).
+
+        A step's small inputs (tokens, positions, row groups) are new tensors every time: they are
+        copied into tensors of this thread's own, unless `out` holds the same memory (an input
+        updated in place). With `reuse`, the outputs not in `out` are this thread's own tensors
+        too, overwritten by its next run of this graph: for a caller done with them by then (the
+        engine's decoder step). A step that reads and writes the memory of the step before, bound
+        once, runs faster than one given fresh tensors, most at small batches, where a step's
+        fixed costs weigh most (python -m bench step measures the engine at each load)."""
         binding, bound = self._binding()
+        aliased = {t.data_ptr() for t in (out or {}).values()}
         held = []  # the converted inputs must outlive the run
         for t in self.spec.inputs:
             tensor = inputs[t.name].to(self.device, TORCH_TYPES[t.dtype]).contiguous()
+            if tensor.nbytes <= SMALL_INPUT_BYTES and tensor.data_ptr() not in aliased:
+                tensor = self._owned(t.name, tuple(tensor.shape), tensor.dtype).copy_(tensor)
             held.append(tensor)
             self._bind(binding.bind_input, bound, t, tensor)
         outputs = dict(out or {})
         for t in self.spec.outputs:
             if t.name not in outputs:
-                outputs[t.name] = torch.empty(output_shapes[t.name], dtype=TORCH_TYPES[t.dtype], device=self.device)
+                shape, dtype = output_shapes[t.name], TORCH_TYPES[t.dtype]
+                outputs[t.name] = self._owned(t.name, shape, dtype) if reuse else \
+                    torch.empty(shape, dtype=dtype, device=self.device)
             self._bind(binding.bind_output, bound, t, outputs[t.name])
         self.session.run_with_iobinding(binding)
         return outputs
@@ -129,8 +152,9 @@ class OnnxModel:
              cache: list) -> torch.Tensor:
         """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step:
         log-probabilities (R, V); this step's K/V are written into `cache` in place. (The graph
-        always picks a top-k; here of 1, and dropped: training.seq2seq.search selects its own.)"""
-        return self.step_top(tokens, positions, row_sentence, enc, cache, 1)[0]
+        always picks a top-k; here of 1, and dropped: training.seq2seq.search selects its own.)
+        A copy: step_top's outputs last only until the next step."""
+        return self.step_top(tokens, positions, row_sentence, enc, cache, 1)[0].clone()
 
     def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
                  cache: list, top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -138,7 +162,8 @@ class OnnxModel:
         chosen inside the graph: the beam search's candidates without a second pass over log_probs.
         The graph's present K/V are bound to the cache's own memory, which its attention then
         updates in place (GroupQueryAttention with a shared buffer): the cache must be contiguous
-        float32 on this backend's device, or the step's column would land in a copy."""
+        float32 on this backend's device, or the step's column would land in a copy. The outputs are
+        this thread's own tensors, overwritten by its next step (OnnxGraph.run's `reuse`)."""
         for t in (t for kv in cache for t in kv):
             if not t.is_contiguous() or t.dtype != torch.float32 or t.device != self.device:
                 raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
@@ -147,7 +172,7 @@ class OnnxModel:
         sizes = {"rows": tokens.shape[0], "k": top_k}
         shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
         present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
-        outputs = self.decoder.run(inputs, shapes, out=present)
+        outputs = self.decoder.run(inputs, shapes, out=present, reuse=True)
         return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
 
     @staticmethod

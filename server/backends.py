@@ -4,8 +4,9 @@
     encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
     step_top(tokens, positions, row_sentence, enc, cache, top_k)
                                           -> log-probabilities (R, V), each row's top_k best
-                                             (log-probabilities, tokens) (R, top_k); this step's keys
-                                             and values are written into the cache in place
+                                             (log-probabilities, tokens) (R, top_k), valid until the
+                                             next step; this step's keys and values are written into
+                                             the cache in place
 
 ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
 modules, eager; on CUDA the Triton kernels through kernels.dispatch). Their step is the same
