@@ -3,8 +3,11 @@ training.seq2seq.model.Seq2Seq (encode, decode_step, cfg) plus reorder, so train
 beam search run on it unchanged.
 
 Tensors cross into ONNX Runtime as torch tensors bound by pointer (IO binding), outputs are
-written straight into torch tensors allocated here: no copies on CPU, and with the CUDA provider
-CUDA tensors stay on the device between steps.
+written straight into torch tensors allocated here: with the CUDA provider CUDA tensors stay on
+the device between steps. A binding is kept from run to run: large inputs (the caches, the
+encoder state) stay where they are, small ones are copied into tensors of the binding's own, and
+the decoder step writes its outputs into kept tensors, so a step runs on the memory of the step
+before (OnnxGraph.run).
 """
 from __future__ import annotations
 
