@@ -78,11 +78,11 @@ class OnnxGraph:
     def _owned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This thread's own tensor for `name`: a view of storage that is kept and only ever grows, so
         that its address stays from run to run (and its binding too, while the shape does)."""
-        owned, size = self.local.owned, math.prod(shape)
-        if name not in owned or owned[name].numel() < size or owned[name].dtype != dtype:
-            owned[name] = torch.empty(max(size, 2 * owned[name].numel() if name in owned else 0), dtype=dtype,
-                                      device=self.device)
-        return owned[name][:size].view(shape)
+        size, kept = math.prod(shape), self.local.owned.get(name)
+        if kept is None or kept.dtype != dtype or kept.numel() < size:
+            grown = 0 if kept is None else 2 * kept.numel()
+            kept = self.local.owned[name] = torch.empty(max(size, grown), dtype=dtype, device=self.device)
+        return kept[:size].view(shape)
 
     def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
             out: dict[str, torch.Tensor] | None = None, reuse: bool = False) -> dict[str, torch.Tensor]:
