@@ -151,6 +151,20 @@ def test_the_pipes_the_parent_reads_on_uvloops_loop_stay_blocking(servers, group
     assert all(w.ready.is_set() and os.get_blocking(w.conn.fileno()) for w in group.workers)
 
 
+def test_a_busy_worker_reports_its_steps_in_batches_not_at_every_step(servers, group, recorder, monkeypatch):
+    """Each pipe write wakes the parent: a worker sends its step reports together (at most
+    REPORT_EVERY_S late), and a finished text at the end of its turn; every step is still counted."""
+    processes, _ = servers
+    batches = []
+    for w in group.workers:
+        monkeypatch.setattr(w, "_receive", lambda receive=w._receive: (batches.append(1), receive()))
+    before = sum(w.steps for w in group.workers)
+    stub(processes).Translate(request(english(1, offset=145), beam=1, **LONG), timeout=120)
+    wait_until(lambda: group.idle() and sum(w.steps for w in group.workers) - before == 128)
+    assert sum(1 for kind, rows in recorder.events if kind == "stepped") == 128  # the histogram sees each step
+    assert len(batches) <= 128 // 4
+
+
 def test_a_cancelled_call_leaves_the_workers_batches_and_the_other_call_is_unaffected(servers, recorder):
     processes, _ = servers
     other = request(english(1, offset=140), beam=1, **LONG)
