@@ -86,6 +86,7 @@ class Batch:
         self.kv: torch.Tensor | None = None  # a view of the front of `storage`
         self.storage: torch.Tensor | None = None
         self.spare: torch.Tensor | None = None  # the other storage, for the next resize
+        self.views: tuple | None = None  # (kv, n, the step's cache views): _cache_views
 
     @property
     def rows(self) -> int:
@@ -128,10 +129,18 @@ class Batch:
         row_sentence = np.full(n, -1, np.int64)
         tokens[self.slot], positions[self.slot], row_sentence[self.slot] = self.tokens, self.positions, \
             self.enc_slot[self.row_seq]
-        cache = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
+        cache = self._cache_views(n)
         top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
         return (torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(row_sentence),
                 self.sources.state(), cache, top_k)
+
+    def _cache_views(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys and values over slots 0..n-1: the same view objects while the storage
+        and n stay, which the backend's binding recognises without looking into them."""
+        if self.views is None or self.views[0] is not self.kv or self.views[1] != n:
+            layers = [(self.kv[2 * i, :n], self.kv[2 * i + 1, :n]) for i in range(self.cfg.dec_layers)]
+            self.views = (self.kv, n, layers)
+        return self.views[2]
 
     @property
     def width(self) -> int:

@@ -31,6 +31,7 @@ class SourceSlots:
         self.global_state: torch.Tensor | None = None  # (slots, D), GRET only
         self.gate_source: torch.Tensor | None = None
         self.lengths = np.zeros(0, np.int64)  # each slot's source length; 0 = free
+        self.views: tuple | None = None  # (memory, n, their state): state()
 
     @property
     def capacity(self) -> int:
@@ -71,8 +72,15 @@ class SourceSlots:
         src_pad[slots, 0] = False
 
     def state(self) -> EncoderState:
-        """Slots 0..n-1 as the decoder step's per-sentence tensors (views, no copies)."""
+        """Slots 0..n-1 as the decoder step's per-sentence tensors (views, no copies): the same view
+        objects while the layout (_layout replaces every tensor) and n stay, which the backend's
+        binding recognises at once."""
         n = self.in_use()
+        if self.views is None or self.views[0] is not self.memory or self.views[1] != n:
+            self.views = (self.memory, n, self._views(n))
+        return self.views[2]
+
+    def _views(self, n: int) -> EncoderState:
         memory = [(self.memory[i, :n], self.memory[i + 1, :n]) for i in range(0, self.memory.shape[0], 2)]
         first = lambda t: None if t is None else t[:n]  # noqa: E731
         return EncoderState(memory, self.src_pad[:n], first(self.global_state), first(self.gate_source))

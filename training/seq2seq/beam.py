@@ -6,7 +6,8 @@ One step of a sequence: its candidates are the 2 x beam best of (row score + log
 over its rows' tokens, best first, ties to the lower row, then the lower token. An EOS, or any
 token at the sequence's last step, finishes a hypothesis if its candidate ranks inside the beam
 (and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is
-done once it holds `beam` finished hypotheses, reaches its length limit, or has no candidate left. Both steps work on all sequences at once, each with its own beam size and rows.
+done once it holds `beam` finished hypotheses, reaches its length limit, or has no candidate left.
+Both steps work on all sequences at once, each with its own beam size and rows.
 
 A target prefix (CTranslate2's target_prefix) is forced decoding: while a sequence's step is inside
 its prefix, its rows may take only the prefix's next token, at no cost (force_prefix); so one row
@@ -86,16 +87,20 @@ def candidates(row_scores: np.ndarray, top_log_probs: np.ndarray, top_tokens: np
 
     NumPy arrays, as in select(): the search's arrays are a few hundred numbers, where a NumPy call
     costs a fraction of a torch call (the rule runs between every two decoder steps)."""
-    per_row = top_log_probs.shape[1]
+    per_row, width = top_log_probs.shape[1], int(counts.max())
     totals = top_log_probs + row_scores[:, None]
-    starts = first_rows(counts)
-    offsets = np.arange(counts.max())
-    index = np.where(offsets < counts[:, None], starts[:, None] + offsets, len(row_scores))  # R: padding
-    padded = np.concatenate([totals, np.full((1, per_row), NEG_INF, totals.dtype)])[index].reshape(len(counts), -1)
+    if (counts == width).all():  # every sequence has as many rows: they lie side by side already
+        index = np.arange(len(row_scores)).reshape(len(counts), width)
+        padded, tokens = totals.reshape(len(counts), -1), top_tokens.reshape(len(counts), -1)
+    else:
+        offsets = np.arange(width)
+        starts = first_rows(counts)[:, None]
+        index = np.where(offsets < counts[:, None], starts + offsets, len(row_scores))  # R: padding
+        padded = np.concatenate([totals, np.full((1, per_row), NEG_INF, totals.dtype)])[index].reshape(len(counts), -1)
+        tokens = np.concatenate([top_tokens, np.zeros((1, per_row), top_tokens.dtype)])[index].reshape(len(counts), -1)
     at = np.argsort(-padded, axis=1, kind="stable")[:, :k]  # stable: ties to the lower row, then token
-    tokens = np.concatenate([top_tokens, np.zeros((1, per_row), top_tokens.dtype)])[index].reshape(len(counts), -1)
-    return Candidates(np.take_along_axis(padded, at, 1), np.take_along_axis(index, at // per_row, 1),
-                      np.take_along_axis(tokens, at, 1))
+    sequence = np.arange(len(counts))[:, None]
+    return Candidates(padded[sequence, at], index[sequence, at // per_row], tokens[sequence, at])
 
 
 class Selection(NamedTuple):
