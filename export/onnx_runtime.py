@@ -64,8 +64,7 @@ class OnnxGraph:
     def _binding(self) -> tuple[ort.IOBinding, dict]:
         """This thread's binding, kept from run to run, and the tensor each name is bound to now."""
         if not hasattr(self.local, "binding"):
-            self.local.binding, self.local.bound = self.session.io_binding(), {}
-            self.local.owned, self.local.views = {}, {}
+            self.local.binding, self.local.bound, self.local.owned = self.session.io_binding(), {}, {}
         return self.local.binding, self.local.bound
 
     def _bind(self, bind, bound: dict, t, tensor: torch.Tensor) -> None:
@@ -85,14 +84,15 @@ class OnnxGraph:
         """This thread's own tensor for `name`: a view of storage that is kept and only ever grows, so
         that its address stays from run to run (and its binding too, while the shape does); the same
         view object while the shape does."""
-        view = self.local.views.get(name)
+        kept, view = self.local.owned.get(name, (None, None))
         if view is not None and view.shape == shape and view.dtype == dtype:
             return view
-        size, kept = math.prod(shape), self.local.owned.get(name)
+        size = math.prod(shape)
         if kept is None or kept.dtype != dtype or kept.numel() < size:
             grown = 0 if kept is None else 2 * kept.numel()
-            kept = self.local.owned[name] = torch.empty(max(size, grown), dtype=dtype, device=self.device)
-        view = self.local.views[name] = kept[:size].view(shape)
+            kept = torch.empty(max(size, grown), dtype=dtype, device=self.device)
+        view = kept[:size].view(shape)
+        self.local.owned[name] = kept, view
         return view
 
     def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
