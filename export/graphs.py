@@ -91,11 +91,16 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
 
 def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
                    cache: list, top_k: int) -> dict[str, torch.Tensor]:
-    """The decoder step's inputs by name (a superset of any one model's spec). A row whose
-    row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
+    """The decoder step's inputs by name (a superset of any one model's spec)."""
+    return {"tokens": tokens, "positions": positions} | layout_inputs(row_sentence, enc, cache, top_k)
+
+
+def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> dict[str, torch.Tensor]:
+    """The step's inputs other than its tokens and positions: what the rows' layout decides. A row
+    whose row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
     row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-    inputs = {"tokens": tokens, "positions": positions, "row_sentence": row_sentence.clamp(min=0),
-              "row_slot": row_slot, "group_rows": group_rows, "top_k": torch.tensor([top_k])}
+    inputs = {"row_sentence": row_sentence.clamp(min=0), "row_slot": row_slot, "group_rows": group_rows,
+              "top_k": torch.tensor([top_k])}
     inputs |= dict(zip(state_names(enc), flatten_state(enc)))
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from training.seq2seq import search
 from training.seq2seq.config import ModelConfig
 from training.seq2seq.model import EncoderState, grown_step
 
-from .graphs import decoder_inputs, unflatten_state
+from .graphs import layout_inputs, unflatten_state
 from .manifest import read_manifest
 from .spec import GraphSpec, decoder_spec, encoder_spec, present_names
 
@@ -96,7 +97,8 @@ class OnnxGraph:
         return view
 
     def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
-            out: dict[str, torch.Tensor] | None = None, reuse: bool = False) -> dict[str, torch.Tensor]:
+            out: dict[str, torch.Tensor] | None = None, reuse: bool = False,
+            unchanged: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Outputs by name, written into `out`'s tensors where given (contiguous, of the right shape).
 
         A step's small inputs (tokens, positions, row groups) are new tensors every time: they are
@@ -107,10 +109,13 @@ class OnnxGraph:
         once, runs faster than one given fresh tensors, most at small batches, where a step's
         fixed costs weigh most (python -m bench step measures the engine at each load). An input
         given as the very tensor it was bound to last run (the engine's cache and encoder state)
-        costs nothing here."""
+        costs nothing here, and so does one named in `unchanged`: the caller vouches that it is the
+        tensor it gave last run, with the same values (it is not read)."""
         binding, bound = self._binding()
         aliased = {t.data_ptr() for t in (out or {}).values()}
         for t in self.spec.inputs:
+            if t.name in unchanged:
+                continue
             given = inputs[t.name]
             if bound.get(t.name) is given:  # bound by address last run, and still
                 continue
@@ -127,6 +132,21 @@ class OnnxGraph:
             self._bind(binding.bind_output, bound, t, outputs[t.name])
         self.session.run_with_iobinding(binding)
         return outputs
+
+
+# The step's inputs that only the row layout decides (OnnxModel._layout): a step of an unchanged
+# layout gives ONNX Runtime its new tokens and positions and nothing else.
+LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", "group_rows", "top_k"})
+
+
+@dataclass
+class StepLayout:
+    key: tuple  # (row_sentence, enc, cache): the caller's objects, compared by identity
+    top_k: int
+    inputs: dict[str, torch.Tensor]  # every decoder input but tokens and positions
+    shapes: dict[str, tuple[int, ...]]  # the outputs'
+    present: dict[str, torch.Tensor]  # the cache, where the step writes its column
+    unchanged: frozenset[str] = frozenset()  # bound by the layout's first step, then unchanged
 
 
 class OnnxModel:
@@ -181,16 +201,32 @@ class OnnxModel:
         updates in place (GroupQueryAttention with a shared buffer): the cache must be contiguous
         float32 on this backend's device, or the step's column would land in a copy. The outputs are
         this thread's own tensors, overwritten by its next step (OnnxGraph.run's `reuse`)."""
+        layout = self._layout(row_sentence, enc, cache, top_k)
+        inputs = dict(layout.inputs, tokens=tokens, positions=positions)
+        outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=layout.unchanged)
+        layout.unchanged = LAYOUT_INPUTS  # from the next step of this layout on
+        return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
+
+    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> "StepLayout":
+        """What a decoder step needs besides its tokens and positions, kept while the caller hands
+        the very row_sentence, encoder state and cache objects again with the same top_k (the
+        engine's batch does at every step in which no row joins, leaves or moves to another
+        sentence's slot): the row groups are not grouped again, and OnnxGraph.run neither copies
+        nor binds them. This thread's own, as the binding is."""
+        key = (row_sentence, enc, cache)
+        last = getattr(self.decoder.local, "layout", None)
+        if last is not None and last.top_k == top_k and all(a is b for a, b in zip(last.key, key)):
+            return last
         for t in (t for kv in cache for t in kv):
             if not t.is_contiguous() or t.dtype != torch.float32 or t.device != self.device:
                 raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
                                  f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
-        inputs = decoder_inputs(tokens, positions, row_sentence, enc, cache, top_k)
-        sizes = {"rows": tokens.shape[0], "k": top_k}
+        inputs = layout_inputs(row_sentence, enc, cache, top_k)
+        sizes = {"rows": row_sentence.shape[0], "k": top_k}
         shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
         present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
-        outputs = self.decoder.run(inputs, shapes, out=present, reuse=True)
-        return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
+        self.decoder.local.layout = StepLayout(key, top_k, inputs, shapes, present)
+        return self.decoder.local.layout
 
     @staticmethod
     def reorder(cache: list, rows: torch.Tensor) -> list:

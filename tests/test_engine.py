@@ -109,6 +109,23 @@ def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     assert [h.tokens for h in long.hypotheses] == [h.tokens for h in offline(model, long.src, long.options)]
 
 
+def test_steps_that_keep_the_row_layout_hand_the_backend_the_same_row_sentence():
+    """The ONNX backend groups the rows by sentence once per layout (OnnxModel._layout): the batch
+    hands it the very row_sentence tensor again while no row joins, leaves or changes sentence,
+    and a new one once a text joins."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model)
+    seen, step_top = [], engine.backend.step_top
+    engine.backend.step_top = lambda *args: seen.append(args[2]) or step_top(*args)
+    engine.submit([make_seq(model, sources(model, [9])[0], DecodingOptions(beam=1, min_length=8, max_len_b=40))])
+    for _ in range(4):
+        engine.iterate()
+    assert len(seen) == 4 and all(t is seen[0] for t in seen)  # beam 1: one row, in one slot
+    engine.submit([make_seq(model, sources(model, [5], seed=1)[0], DecodingOptions(beam=1))])
+    engine.iterate()
+    assert seen[-1] is not seen[0] and seen[-1].tolist() == [0, 1]
+
+
 def test_encoder_slots_free_on_leaving_close_their_holes_and_change_no_output():
     """Each sequence's encoder state sits in a slot of its own: a departure frees it (nothing else
     moves), the source axis shrinks once the longest source has left, and once holes are an eighth

@@ -20,6 +20,7 @@ from export.__main__ import main as export_main
 from export.graphs import block_topk
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
+from export import onnx_runtime
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec, export_sources
 from server.engine.topk import row_topk
@@ -130,6 +131,36 @@ def test_a_sentence_may_join_the_batch_later_and_each_row_reads_only_its_own_col
             for (k, v), (ref_k, ref_v) in zip(cache, ref_cache[sentence]):  # its columns, written in place
                 torch.testing.assert_close(k[row, :, : positions[row] + 1], ref_k[0], **TOLERANCE)
                 torch.testing.assert_close(v[row, :, : positions[row] + 1], ref_v[0], **TOLERANCE)
+
+
+def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing(tmp_path, spm_bytes, monkeypatch):
+    """The engine hands the step the very row_sentence, encoder state and cache objects while no
+    row joins or leaves: the backend then reuses the row groups it derived (OnnxModel._layout) and
+    gives ONNX Runtime only the new tokens and positions. The log-probabilities and the cache are
+    those of a model that derives everything afresh at every step; new row_sentence values (a new
+    object) are grouped again."""
+    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
+    fresh = OnnxModel(tmp_path / "repo")
+    src, _ = random_batch(model.cfg, [5, 3])
+    enc, fresh_enc = onnx_model.encode(src), fresh.encode(src)
+    g = torch.Generator().manual_seed(5)
+    shape = (3, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
+    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
+    fresh_cache = [(k.clone(), v.clone()) for k, v in cache]
+    grouped = []
+    monkeypatch.setattr("export.onnx_runtime.layout_inputs",
+                        lambda *args, real=onnx_runtime.layout_inputs: grouped.append(1) or real(*args))
+    row_sentence = torch.tensor([0, 0, 1])
+    for step in range(3):
+        tokens = torch.randint(4, model.cfg.vocab_size, (3,), generator=g)
+        positions = torch.tensor([step, step, step])
+        log_probs, top = onnx_model.step_top(tokens, positions, row_sentence, enc, cache, 4)
+        expected, expected_top = fresh.step_top(tokens, positions, row_sentence.clone(), fresh_enc, fresh_cache, 4)
+        assert torch.equal(log_probs, expected) and all(torch.equal(a, b) for a, b in zip(top, expected_top))
+    assert all(torch.equal(a, b) for kv, fresh_kv in zip(cache, fresh_cache) for a, b in zip(kv, fresh_kv))
+    assert len(grouped) == 1 + 3  # this model's first step, and each of the fresh model's
+    onnx_model.step_top(tokens, positions, torch.tensor([0, 1, 1]), enc, cache, 4)
+    assert len(grouped) == 5
 
 
 def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_bytes):

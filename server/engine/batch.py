@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from training.seq2seq.beam import NEG_INF, Hypothesis, candidates, first_rows, force_prefix, select
+from training.seq2seq.beam import NEG_INF, Candidates, Hypothesis, candidates, first_rows, force_prefix, select
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
@@ -87,6 +87,7 @@ class Batch:
         self.storage: torch.Tensor | None = None
         self.spare: torch.Tensor | None = None  # the other storage, for the next resize
         self.views: tuple | None = None  # (kv, n, the step's cache views): _cache_views
+        self.row_sentence: torch.Tensor | None = None  # the last step's, the same object while its values stay
 
     @property
     def rows(self) -> int:
@@ -129,10 +130,12 @@ class Batch:
         row_sentence = np.full(n, -1, np.int64)
         tokens[self.slot], positions[self.slot], row_sentence[self.slot] = self.tokens, self.positions, \
             self.enc_slot[self.row_seq]
+        if self.row_sentence is None or not np.array_equal(self.row_sentence.numpy(), row_sentence):
+            self.row_sentence = torch.from_numpy(row_sentence)  # never written again: the backend keeps what it derives
         cache = self._cache_views(n)
         top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
-        return (torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(row_sentence),
-                self.sources.state(), cache, top_k)
+        return (torch.from_numpy(tokens), torch.from_numpy(positions), self.row_sentence, self.sources.state(), cache,
+                top_k)
 
     def _cache_views(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's keys and values over slots 0..n-1: the same view objects while the storage
@@ -162,16 +165,19 @@ class Batch:
         cand = candidates(self.scores, top_log_probs[self.slot], top_tokens[self.slot], self.counts, k)
         length = self.positions[first_rows(self.counts)] + 1  # of each sequence
         pick = select(cand.scores, cand.tokens == self.cfg.eos_id, length >= self.limits, self.beams, self.held)
-        self.held = self.held + pick.finishing.sum(1)
-        self._finish_hypotheses(cand, pick.finishing)
-        done = np.flatnonzero(pick.done)
-        ended = [self.seqs[i] for i in done.tolist()]
-        for seq, steps in zip(ended, length[done].tolist()):
-            seq.step = steps
-        alive = np.flatnonzero(~pick.done)
-        kept = pick.kept[alive]
-        return Choice(cand.rows[alive][kept], cand.tokens[alive][kept], cand.scores[alive][kept], kept.sum(1), alive,
-                      ended)
+        # Most steps finish no hypothesis and end no sequence: those skip the bookkeeping for them.
+        if pick.finishing.any():
+            self.held = self.held + pick.finishing.sum(1)
+            self._finish_hypotheses(cand, pick.finishing)
+        ended, alive, kept = [], np.arange(len(self.seqs)), pick.kept
+        if pick.done.any():
+            done = np.flatnonzero(pick.done)
+            ended = [self.seqs[i] for i in done.tolist()]
+            for seq, steps in zip(ended, length[done].tolist()):
+                seq.step = steps
+            alive = np.flatnonzero(~pick.done)
+            cand, kept = Candidates(*(a[alive] for a in cand)), kept[alive]
+        return Choice(cand.rows[kept], cand.tokens[kept], cand.scores[kept], kept.sum(1), alive, ended)
 
     def advance(self, choice: Choice) -> list[Sequence]:
         """Apply search()'s choice after the step (which wrote its keys/values into the cache);
