@@ -207,7 +207,7 @@ class OnnxModel:
         layout.unchanged = LAYOUT_INPUTS  # from the next step of this layout on
         return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
 
-    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> "StepLayout":
+    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> StepLayout:
         """What a decoder step needs besides its tokens and positions, kept while the caller hands
         the very row_sentence, encoder state and cache objects again with the same top_k (the
         engine's batch does at every step in which no row joins, leaves or moves to another
