@@ -146,7 +146,7 @@ class StepLayout:
     inputs: dict[str, torch.Tensor]  # every decoder input but tokens and positions
     shapes: dict[str, tuple[int, ...]]  # the outputs'
     present: dict[str, torch.Tensor]  # the cache, where the step writes its column
-    unchanged: frozenset[str] = frozenset()  # bound by the layout's first step, then unchanged
+    unchanged: frozenset[str] = frozenset()  # LAYOUT_INPUTS once a run has bound them (a failed first run has not)
 
 
 class OnnxModel:
