@@ -1,8 +1,11 @@
 """Benchmark: each Triton kernel vs its PyTorch reference, and the encoder cache's effect.
 
-    python -m kernels.bench --out kernels_bench.json [--threads 1] [--checkpoint DIR]
+    python -m kernels.bench --out kernels_bench.json [--dtype float32] [--threads 1] [--checkpoint DIR]
 
-On CUDA: kernel and reference times per shape with triton.testing.do_bench, as a ratio.
+`python -m bench report` shows the runs saved as bench-kernels-DTYPE.json beside the other benchmarks.
+
+On CUDA: kernel and reference times per shape with triton.testing.do_bench, as a ratio, and the
+whole model's beam search on its Triton path vs its reference path (batches 1, --batch and 64).
 Elsewhere the kernels cannot be timed (the interpreter says nothing about GPU speed): only the
 references are timed, plus the cache effect, i.e. the end-to-end beam search time of a repeated
 request (encoder skipped) over a new one, measured alternately in one run on the same model.
@@ -10,9 +13,11 @@ request (encoder skipped) over a new one, measured alternately in one run on the
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +25,7 @@ import torch
 import triton
 
 from . import context_gate, cross_attention, routing
+from .dispatch import force_triton, use_reference
 from server.engine.encoder_cache import CachedEncoder, EncoderCache
 
 # Shapes of the "small" (D=256) and "base" (D=512) presets: batch 32, ~24 source tokens, beam 4.
@@ -103,18 +109,57 @@ def _model(checkpoint: str | None, device: str):
     return model.to(device).eval()
 
 
-def bench_cache(device: str, checkpoint: str | None, batch: int, beam: int, reps: int) -> dict:
-    """Median end-to-end beam search time of a new request (encoder runs) vs a repeated one (hit)."""
-    from training.seq2seq.search import beam_search
-    model = _model(checkpoint, device)
-    cfg = model.cfg
+def _sources(cfg, batch: int, device: str) -> torch.Tensor:
+    """`batch` random sources of 8 to 29 pieces, EOS-terminated, right-padded."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, 30, (batch,), generator=gen)
     src = torch.full((batch, int(lengths.max())), cfg.pad_id, dtype=torch.long)
     for i, n in enumerate(lengths.tolist()):
         src[i, : n - 1] = torch.randint(4, cfg.vocab_size, (n - 1,), generator=gen)
         src[i, n - 1] = cfg.eos_id
-    src = src.to(device)
+    return src.to(device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_model(device: str, checkpoint: str | None, batches: list[int], beam: int, reps: int) -> list[dict]:
+    """The kernels in place: median beam search time of the whole model on its Triton path vs on its
+    reference path, alternated in one run, and whether their outputs agree (a timing on CUDA only)."""
+    from training.seq2seq.search import beam_search
+    model = _model(checkpoint, device)
+    rows = []
+    for batch in batches:
+        src = _sources(model.cfg, batch, device)
+        paths = {"triton": force_triton, "reference": use_reference}
+        times, outputs = {name: [] for name in paths}, {}
+        for rep in range(reps + 1):  # the first round compiles and warms: not timed
+            for name, mode in paths.items():
+                with mode(), torch.no_grad():
+                    _sync(device)
+                    start = time.perf_counter()
+                    hyps = beam_search(model, src, beam=beam)
+                    _sync(device)
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+                outputs[name] = [h[0].tokens for h in hyps]
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        same = sum(a == b for a, b in zip(outputs["triton"], outputs["reference"]))
+        rows.append(dict(batch=batch, beam=beam, reps=reps, triton_ms=ms["triton"], reference_ms=ms["reference"],
+                         reference_over_triton=ms["reference"] / ms["triton"], same_outputs=f"{same}/{batch}"))
+        print(f"model batch {batch:4d} beam {beam}: reference {ms['reference']:8.1f} ms  triton {ms['triton']:8.1f} ms"
+              f"  x{ms['reference'] / ms['triton']:.2f}  same outputs {same}/{batch}")
+    return rows
+
+
+def bench_cache(device: str, checkpoint: str | None, batch: int, beam: int, reps: int) -> dict:
+    """Median end-to-end beam search time of a new request (encoder runs) vs a repeated one (hit)."""
+    from training.seq2seq.search import beam_search
+    model = _model(checkpoint, device)
+    cfg = model.cfg
+    src = _sources(cfg, batch, device)
     cache = EncoderCache(max_bytes=1 << 30)
     run = lambda version: beam_search(CachedEncoder(model, cache, version), src, beam=beam,
                                       max_len_a=1.0, max_len_b=5)
@@ -122,12 +167,10 @@ def bench_cache(device: str, checkpoint: str | None, batch: int, beam: int, reps
     new, repeated = [], []
     for rep in range(reps):  # alternate, so load changes on a shared machine hit both alike
         for version, times in ((f"new-{rep}", new), ("warm", repeated)):
-            if device == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             start = time.perf_counter()
             run(version)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             times.append(time.perf_counter() - start)
     new_s, repeated_s = statistics.median(new), statistics.median(repeated)
     result = dict(batch=batch, beam=beam, reps=reps, new_request_s=new_s, repeated_request_s=repeated_s,
@@ -148,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--note", default="", help="recorded with the results (e.g. the code's commit)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
@@ -156,10 +200,14 @@ def main(argv: list[str] | None = None) -> dict:
         print("No CUDA device: kernel timings need CUDA (the Triton interpreter measures nothing useful).\n"
               "Timing the PyTorch references and the encoder cache only.")
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
-    report = dict(device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+    report = dict(command="python -m kernels.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+                  date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), note=args.note,
+                  device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
                   torch=torch.__version__, triton=triton.__version__, threads=args.threads,
                   kernel_timings="triton vs reference" if cuda else "reference only (no CUDA)",
                   kernels=bench_kernels(device, dtype))
+    if cuda:
+        report["model"] = bench_model(device, args.checkpoint, [1, args.batch, 64], args.beam, args.reps)
     report["cache"] = bench_cache(device, args.checkpoint, args.batch, args.beam, args.reps)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -1,4 +1,4 @@
-"""python -m training.translate --checkpoint DIR [--beam N] < source.txt > output.txt
+"""python -m training.translate --checkpoint DIR [--beam N] [--device cuda] < source.txt > output.txt
 
 One line in, one detokenised line out, in input order."""
 from __future__ import annotations
@@ -23,11 +23,13 @@ def main(argv=None):
     p.add_argument("--max-len-b", type=int, default=10)
     p.add_argument("--batch-tokens", type=int, default=3000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda; on CUDA the model runs the Triton kernels (kernels/)")
     args = p.parse_args(argv)
     if args.beam < 1:
         p.error("--beam must be >= 1")
     torch.set_num_threads(args.threads)
     model, ckpt, sp = load_checkpoint(args.checkpoint)
+    model = model.to(args.device)
     texts = [normalize_input(input_style(ckpt.data.dataset), line.rstrip("\n")) for line in sys.stdin]
     outputs = corpus_translate(model, sp, texts, beam=args.beam, length_penalty=args.length_penalty,
                                max_src_len=ckpt.data.max_src_len, batch_tokens=args.batch_tokens,

@@ -15,7 +15,7 @@ def greedy(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None = No
     cfg = model.cfg
     enc = model.encode(src, src_tags)
     rows = src.shape[0]
-    max_len = _max_lengths(src, cfg.pad_id, max_len_a, max_len_b, cfg.max_positions)
+    max_len = _max_lengths(src, cfg.pad_id, max_len_a, max_len_b, cfg.max_positions).to(src.device)
     tokens = torch.full((rows,), cfg.bos_id, dtype=torch.long, device=src.device)
     out = [[] for _ in range(rows)]
     alive = torch.arange(rows, device=src.device)
@@ -63,7 +63,7 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
     scores = np.full((n_sent, beam), NEG_INF, np.float32)
     scores[:, 0] = 0.0
     held = np.zeros(n_sent, np.int64)  # finished hypotheses per alive sentence
-    tokens = torch.full((n_sent * beam,), cfg.bos_id, dtype=torch.long)
+    tokens = torch.full((n_sent * beam,), cfg.bos_id, dtype=torch.long, device=src.device)
     history = np.empty((n_sent * beam, 0), np.int64)
     cache = None
     for step in range(int(max_len.max())):
@@ -92,8 +92,8 @@ def beam_search(model: Seq2Seq, src: torch.Tensor, src_tags: torch.Tensor | None
         scores = np.where(filled, np.take_along_axis(cand.scores[keep], take, 1), np.float32(NEG_INF))
         alive, held = alive[keep], held[keep] + pick.finishing[keep].sum(1)
         history = np.concatenate([history[rows], picked[:, None]], 1)
-        tokens, moved = torch.from_numpy(picked), torch.from_numpy(rows).to(cache[0][0].device)
+        tokens, moved = torch.from_numpy(picked).to(src.device), torch.from_numpy(rows).to(src.device)
         cache = [(k.index_select(0, moved), v.index_select(0, moved)) for k, v in cache]
         if len(keep) < enc.src_pad.shape[0]:
-            enc = enc.select(torch.from_numpy(keep))
+            enc = enc.select(torch.from_numpy(keep).to(src.device))
     return [sorted(h, key=lambda x: -x.score)[:n_best] for h in finished]
