@@ -203,7 +203,7 @@ def capsule_routing_triton(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, 
         h, pad, mean, s, d, h.stride(0), h.stride(1), pad.stride(0), mean.stride(0),
         BLOCK_S=block(s, hi=32), BLOCK_D=mean_block)
     # R1 keeps Z, the h tile and the accumulator (each rows x D) in registers: smaller tiles and
-    # more warps once D is large. Untuned guesses - no GPU was available to measure them.
+    # more warps once D is large. Untuned guesses: compiled and timed once on an H200 (kernels/README.md), not tuned.
     wide = d > 256
     block_r, block_k, block_s = block(g, hi=64), block(k, hi=16 if wide else 32), block(s, hi=16 if wide else 32)
     for t in range(iters):

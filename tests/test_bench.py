@@ -158,3 +158,17 @@ def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_re
     text = page.read_text()
     assert "## One step: fixed overhead and cost per row" in text and "`python -m bench step --quick" in text
     assert "| `gret` | int8 |" in text and "`de-en` line" in text
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on CUDA the run times the kernels too")
+def test_kernel_benchmark_without_cuda_times_the_references_and_the_report_renders_it(tmp_path):
+    from kernels.bench import main as kernels_bench
+
+    report = kernels_bench(["--out", str(tmp_path / "bench-kernels-float32.json"), "--reps", "1", "--batch", "2"])
+    assert report["kernel_timings"] == "reference only (no CUDA)" and "model" not in report
+    assert all(k["reference_ms"] > 0 and k["triton_ms"] is None for k in report["kernels"])
+    page = tmp_path / "BENCHMARKS.md"
+    assert bench_main(["report", "--results", str(tmp_path), "--out", str(page)]) == 0
+    section = page.read_text().split("## Triton kernels on a GPU", 1)[1]
+    assert report["command"] in section
+    assert section.count("| routing |") == 2 and section.count("| grouped_attention |") == 3
