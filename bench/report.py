@@ -319,16 +319,18 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
 
 def cpu_split(data: dict) -> str:
     """Where a served text's time goes, from each server round's own readings (bench.speed.usage)."""
-    servers = [n for n in data["rounds"][0] if n.startswith("server-") and "ms_per_text" in data["rounds"][0][n]]
+    first = data["rounds"][0]
+    servers = [n for n in first if n.startswith("server-") and "ms_per_text" in first[n]]
     if not servers:
         return ""
     ct2 = statistics.median(data["cores"] / r[r["ratios"]["ct2_best"]]["texts_per_s"] * 1e3 for r in data["rounds"])
-    keys = list(data["rounds"][0][servers[0]]["ms_per_text"])
+    keys = list(first[servers[0]]["ms_per_text"])
     rows = []
-    for n in servers:
-        med = {k: statistics.median(r[n]["ms_per_text"][k] for r in data["rounds"]) for k in keys}
-        cpu = med["client"] + med["server parent"] + med["workers"]
-        rows.append([f"`{n}`", *(f"{med[k]:.2f}" for k in keys), f"{cpu:.2f}", f"{cpu / ct2:.2f}"])
+    for n in servers + (["grpc-floor"] if "grpc-floor" in first else []):
+        med = {k: statistics.median(r[n]["ms_per_text"][k] for r in data["rounds"]) for k in keys
+               if k in first[n]["ms_per_text"]}
+        cpu = med["client"] + med["server parent"] + med.get("workers", 0)
+        rows.append([f"`{n}`", *(f"{med[k]:.2f}" if k in med else "—" for k in keys), f"{cpu:.2f}", f"{cpu / ct2:.2f}"])
     return "\n\n".join([
         "### Where a served text's time goes",
         ("Milliseconds per answered text over each server round of the score (median of the rounds). CPU time: "
@@ -337,7 +339,10 @@ def cpu_split(data: dict) -> str:
          "engine worker processes (from the server's own metrics). "
          "`encode` … `cache` split the workers' engine loops by phase, in their thread's wall time. CTranslate2 "
          f"offline, its best setting of each round, takes {ct2:.2f} core-ms per text (cores ÷ texts/s); "
-         "`÷ CTranslate2` is the served text's CPU over that."),
+         "`÷ CTranslate2` is the served text's CPU over that."
+         + (" `grpc-floor` is the same load on a gRPC service with no model behind it (bench.grpc_floor), per "
+            "call: what gRPC alone costs the client and the service, a floor that no Python gRPC service goes "
+            "below (its texts/s above are calls answered after a pause, not a speed)." if "grpc-floor" in first else "")),
         table(["system", *keys, "CPU in all", "÷ CTranslate2"], rows)])
 
 

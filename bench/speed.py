@@ -15,7 +15,8 @@ machine load:
      read from the server's metrics. Medians over rounds, and the ratios per round. The same
      server with `--backend ct2` (CTranslate2's own engine and replicas behind our gRPC service)
      splits the gap to CTranslate2 offline: what the service around an engine costs, whatever
-     the engine.
+     the engine. `grpc-floor` (bench.grpc_floor) takes the same load with no model behind the
+     service: its CPU per call is what gRPC alone costs the client and the service.
   2. the sweep: texts/s against the number of callers (1, 4, 16, 64, 256) for the server with
      defaults and for CTranslate2 answering each caller's one sentence itself (all replicas x one
      thread; callers are threads, CTranslate2 releases the GIL). One caller's p50 latency is the
@@ -175,6 +176,22 @@ async def load(server: ServerProcess, model: str, texts: list[str], callers: int
         return point
 
 
+async def floor_load(floor: ServerProcess, texts: list[str], callers: int, plan: Plan) -> dict:
+    """The same closed loop against bench.grpc_floor: its CPU per call is gRPC's alone, the client's
+    and the service's. No metrics there: the loop is warmed first, then every call of a second loop
+    counts (the calls it cancels at its end were paid for in part: a slight overcount)."""
+    async with grpc.aio.insecure_channel(floor.address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        await closed_loop(stub, "", texts, {"beam_size": BEAM}, window(max(plan.warmup_seconds, 1), 0), callers)
+        client, service = psutil.Process().cpu_times(), floor.cpu_seconds()
+        point = await closed_loop(stub, "", texts, {"beam_size": BEAM}, window(plan.saturation_seconds, 0), callers)
+        after = psutil.Process().cpu_times()
+        calls = max(point["calls"], 1)
+        point["ms_per_text"] = {"client": round((after.user + after.system - client.user - client.system) / calls * 1e3, 3),
+                                "server parent": round((floor.cpu_seconds() - service) / calls * 1e3, 3)}
+        return point
+
+
 def usage(server: ServerProcess) -> dict:
     """Running totals: CPU seconds of this process (the client), of the server's parent process and of
     its worker processes; the engine loops' seconds by phase; the texts answered."""
@@ -207,13 +224,15 @@ def measure(args, log_dir: Path) -> dict:
                "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret),
                "server-ct2": (start_server("ct2", args.model, args, log_dir, ("--backend", "ct2")), args.model)}
     engine = EngineOffline(args)
+    floor = ServerProcess("grpc-floor", [], log_dir, {}, module="bench.grpc_floor")
     rounds = []
     try:
+        floor.wait_serving(timeout=60)
         engine.run(texts[:CT2_BATCH])  # warm
         for system in ct2.values():
             system.run(sources[:CT2_BATCH])  # warm
         for r in range(args.rounds):
-            names = list(ct2) + ["engine-offline"] + list(servers)
+            names = list(ct2) + ["engine-offline"] + list(servers) + ["grpc-floor"]
             names = names[r % len(names):] + names[: r % len(names)]
             row = {}
             for name in names:
@@ -221,6 +240,8 @@ def measure(args, log_dir: Path) -> dict:
                     row[name] = ct2[name].run(sources[: args.ct2_texts])
                 elif name == "engine-offline":
                     row[name] = engine.run(texts[: args.ct2_texts])
+                elif name == "grpc-floor":
+                    row[name] = asyncio.run(floor_load(floor, texts, CALLERS, plan))
                 else:
                     server, model = servers[name]
                     row[name] = asyncio.run(load(server, model, texts, CALLERS, plan))
@@ -247,6 +268,7 @@ def measure(args, log_dir: Path) -> dict:
         memory = {name: resident_mb(server) for name, (server, _) in servers.items()}
     finally:
         engine.stop()
+        floor.stop()
         for server, _ in servers.values():
             server.stop()
     return {"rounds": rounds, "engine_setting": engine.setting, "sweep": sweep, "resident_mb": memory, "cores": cores,

@@ -172,3 +172,21 @@ def test_kernel_benchmark_without_cuda_times_the_references_and_the_report_rende
     section = page.read_text().split("## Triton kernels on a GPU", 1)[1]
     assert report["command"] in section
     assert section.count("| routing |") == 2 and section.count("| grouped_attention |") == 3
+
+
+def test_the_grpc_floor_answers_the_closed_loop_and_measures_cpu_per_call(tmp_path):
+    import asyncio
+
+    from bench.server import ServerProcess
+    from bench.speed import floor_load, window
+
+    floor = ServerProcess("grpc-floor", [], tmp_path, {}, module="bench.grpc_floor")
+    try:
+        floor.wait_serving(timeout=60)
+        point = asyncio.run(floor_load(floor, ["Ein Hund läuft."], 8, window(2, 1)))
+    finally:
+        floor.stop()
+    assert point["ok"] == point["calls"] > 8  # every call answered, several rounds of the 8 callers
+    assert point["latency_ms"]["p50"] >= 100  # the pause that spreads the calls out, as the server's are
+    assert set(point["ms_per_text"]) == {"client", "server parent"}
+    assert all(ms > 0 for ms in point["ms_per_text"].values())
