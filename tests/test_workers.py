@@ -23,6 +23,7 @@ from server.engine.engine import PHASES, Draining
 from server.engine.options import DecodingOptions
 from server.engine.scheduler import QueueFull
 from server.engine.sequence import CANCELLED, DEADLINE, OK
+from server.engine.workers import BURST_TEXTS
 from server.pipeline import build_pipeline, resolve_precision
 from tests.served import RunningServer, config_for
 from training.corpora import load_examples
@@ -163,6 +164,30 @@ def test_a_busy_worker_reports_its_steps_in_batches_not_at_every_step(servers, g
     wait_until(lambda: group.idle() and sum(w.steps for w in group.workers) - before == 128)
     assert sum(1 for kind, rows in recorder.events if kind == "stepped") == 128  # the histogram sees each step
     assert len(batches) <= 128 // 4
+
+
+def test_a_worker_running_many_texts_sends_the_ones_that_finish_together(servers, group, monkeypatch):
+    """With BURST_TEXTS texts or more running, finished texts wait as the step reports do (at most
+    REPORT_EVERY_S) and leave in one write: far fewer batches than texts. Each is answered."""
+    processes, _ = servers
+    answers_per_batch = []
+    for w in group.workers:
+        def receive(receive=w._receive):
+            answers_per_batch.append(0)
+            receive()
+
+        def handle(kind, body, handle=w._handle):
+            if kind == "done":
+                answers_per_batch[-1] += 1
+            handle(kind, body)
+        monkeypatch.setattr(w, "_receive", receive)
+        monkeypatch.setattr(w, "_handle", handle)
+    texts = english(4 * BURST_TEXTS * len(group.workers), offset=200)
+    response = stub(processes).Translate(request(texts, beam=1), timeout=120)
+    assert len(response.results) == len(texts) and all(r.hypotheses[0].text for r in response.results)
+    with_answers = [n for n in answers_per_batch if n]
+    assert sum(with_answers) == len(texts)
+    assert len(with_answers) <= len(texts) // 3
 
 
 def test_a_cancelled_call_leaves_the_workers_batches_and_the_other_call_is_unaffected(servers, recorder):
