@@ -1083,7 +1083,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_memory_stays_bounde
                            "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--max-queue", 8,
                            "--max-batch-tokens", 2000, "--build-cache", tmp_path,
                            *DECODE_REPEATS)
-    flood = request(german(2, offset=300), beam=2, **LONG)  # the queue stays full while the calls below come
+    flood = request(german(2, offset=300), beam=8, **LONG)  # the queue stays full while the calls below come
     codes, refused, memory, depths = collections.Counter(), [], [], []
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.wait_serving()))
@@ -1101,7 +1101,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_memory_stays_bounde
     finally:
         server.kill()
     print(f"\noverload: {dict(codes)}; server RSS by wave {[round(m) for m in memory]} MB; "
-          f"queue depth seen {max(depths):.0f}")
+          f"queue depth seen {max(depths):.0f}; refused {len(refused)}")
     assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"} and codes["RESOURCE_EXHAUSTED"] > codes["OK"]
     assert len(refused) >= 30 and all(refused)
     assert max(depths) <= 8
