@@ -1,4 +1,4 @@
-"""python -m bench.grpc_floor --port N: gRPC alone, for `python -m bench speed`.
+"""python -m bench.grpc_floor [--host H] --port N: gRPC alone, for `python -m bench speed`.
 
 The Inference service with no model behind it: Translate answers each call with the same response
 a served sentence gets (one text, one hypothesis), after a pause drawn between PAUSE_S's bounds,
@@ -38,12 +38,12 @@ class Floor(pb_grpc.InferenceServicer):
         return ANSWER
 
 
-async def serve(port: int) -> None:
+async def serve(host: str, port: int) -> None:
     server = grpc.aio.server()
     pb_grpc.add_InferenceServicer_to_server(Floor(), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await checks.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.wait_for_termination()
@@ -51,8 +51,10 @@ async def serve(port: int) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    uvloop.run(serve(p.parse_args(argv).port))
+    args = p.parse_args(argv)
+    uvloop.run(serve(args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -106,17 +106,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server` (or another `module` that takes --port and serves health) on a free loopback
-    port; logs go to a file that is shown if it fails."""
+    """`python -m server` (or another `module` that takes --host and --port and serves health) on a free
+    loopback port; logs go to a file that is shown if it fails."""
 
     def __init__(self, name: str, flags: list[str], log_dir: Path, env: dict, module: str = "server"):
         self.name, self.port = name, free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = log_dir / f"server-{name}.log"
-        host = ["--host", "127.0.0.1"] if module == "server" else []  # others listen on loopback only
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", module, *host, "--port", str(self.port), *flags],
+                [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *flags],
                 cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | env)
         self.psutil = psutil.Process(self.process.pid)
         self.metrics_port: int | None = None  # where the caller's flags put the metrics, if it needs them

@@ -183,28 +183,31 @@ async def floor_load(floor: ServerProcess, texts: list[str], callers: int, plan:
     async with grpc.aio.insecure_channel(floor.address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         await closed_loop(stub, "", texts, {"beam_size": BEAM}, window(max(plan.warmup_seconds, 1), 0), callers)
-        client, service = psutil.Process().cpu_times(), floor.cpu_seconds()
+        before = {"client": client_cpu(), "server parent": floor.cpu_seconds(), "texts": 0}
         point = await closed_loop(stub, "", texts, {"beam_size": BEAM}, window(plan.saturation_seconds, 0), callers)
-        after = psutil.Process().cpu_times()
-        calls = max(point["calls"], 1)
-        point["ms_per_text"] = {"client": round((after.user + after.system - client.user - client.system) / calls * 1e3, 3),
-                                "server parent": round((floor.cpu_seconds() - service) / calls * 1e3, 3)}
+        after = {"client": client_cpu(), "server parent": floor.cpu_seconds(), "texts": point["calls"]}
+        point["ms_per_text"] = per_text(before, after)
         return point
+
+
+def client_cpu() -> float:
+    """CPU seconds of this process: the load generator."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
 
 
 def usage(server: ServerProcess) -> dict:
     """Running totals: CPU seconds of this process (the client), of the server's parent process and of
     its worker processes; the engine loops' seconds by phase; the texts answered."""
     samples = scrape(server.metrics_port)
-    client = psutil.Process().cpu_times()
-    return {"client": client.user + client.system, "server parent": server.cpu_seconds(),
+    return {"client": client_cpu(), "server parent": server.cpu_seconds(),
             "workers": total(samples, "gret_serve_worker_cpu_seconds_total"),
             **{phase: total(samples, "gret_serve_engine_seconds_total", phase=phase) for phase in PHASES},
             "texts": total(samples, "gret_serve_texts_total", status=OK)}
 
 
 def per_text(before: dict, after: dict) -> dict:
-    """Milliseconds per answered text between two usage() readings."""
+    """Milliseconds per answered text between two readings of running totals (usage())."""
     texts = max(after["texts"] - before["texts"], 1)
     return {k: round((after[k] - before[k]) / texts * 1e3, 3) for k in after if k != "texts"}
 

@@ -25,7 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 FP32 = dict(atol=1e-5, rtol=1e-4)
 FP16 = dict(atol=1e-2, rtol=1e-2)
 # bf16 keeps 8 significant bits to fp16's 11: one rounding step at magnitude 2 is already 2^-6 (0.016),
-# which the compiled kernels showed on CUDA (docs/results/gpu/).
+# which the compiled kernels showed on CUDA (docs/results/gpu-h200/).
 BF16 = dict(atol=2e-2, rtol=2e-2)
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
           pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(

@@ -422,9 +422,9 @@ class Reporter(Observer):
     A worker running BURST_TEXTS texts or more holds its finished texts too, up to REPORT_EVERY_S:
     the few that each turn finishes then leave together, and their answers go out together
     through the parent and the gRPC socket, where each wake-up and each write is paid per batch
-    rather than per text. Under that load a text takes a few hundred milliseconds to serve;
-    measured at 64 callers (docs/BENCHMARKS.md), the parent's and the client's CPU per call fell
-    by a sixth and the server answered more texts per second."""
+    rather than per text. Under that load a text takes a few hundred milliseconds to serve, and
+    the wait is small beside it; docs/BENCHMARKS.md gives the parent's and the client's CPU per
+    text (python -m bench speed)."""
 
     def __init__(self, conn):
         self.conn, self.held, self.engine, self.waiting = conn, [], None, None
