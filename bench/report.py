@@ -389,7 +389,42 @@ def step_section(data: dict, results: Path, out: Path) -> str:
                  f"{100 * f['fit']['decoder']['per_row_us'] / f['fit']['step']['per_row_us']:.0f}%."
                  for name, f in data["engine"].items()),
         image(results, data.get("plot"), out, "ms per step against rows"),
+        cold_paragraph(graph),
+        *ops_parts(data.get("ops")),
     ] if p)
+
+
+def cold_paragraph(graph: dict) -> str:
+    """The vanilla int8 step with its memory cold (bench.step's EVICT_BYTES written before each)."""
+    f = graph.get("vanilla", {}).get("int8", {})
+    if "cold_ms" not in f:
+        return ""
+    pairs = ", ".join(f"{r}: {w} → {c}" for r, w, c in zip(f["rows"], f["ms"], f["cold_ms"]))
+    return ("The same `vanilla` int8 step with its memory cold (64 MB written before each step, as the rest of a "
+            f"served step evicts what the step read last time), ms at each row count, warm → cold: {pairs}.")
+
+
+def ops_parts(ops: dict | None) -> list[str]:
+    """The engine loop's graphs by operator type (bench.step's ops part): ms per text."""
+    if not ops:
+        return []
+    columns = [(name, g) for name, f in ops.items() for g in f["ms_per_text"]]
+    totals = {(name, g): sum(ops[name]["ms_per_text"][g].values()) for name, g in columns}
+    ranked = sorted({op for name, g in columns for op in ops[name]["ms_per_text"][g]},
+                    key=lambda op: -sum(ops[name]["ms_per_text"][g].get(op, 0) for name, g in columns))
+    shown = ranked[:12]
+    rows = [[f"`{op}`"] + [round(ops[name]["ms_per_text"][g].get(op, 0), 3) for name, g in columns] for op in shown]
+    rows.append(["other"] + [round(totals[c] - sum(ops[c[0]]["ms_per_text"][c[1]].get(op, 0) for op in shown), 3)
+                             for c in columns])
+    rows.append(["**all**"] + [round(totals[c], 3) for c in columns])
+    first = next(iter(ops.values()))
+    return [("Where the graphs' time goes in the loaded engine loop: the closed loop again at "
+             f"{first['in_flight']} texts in flight ({first['texts']} texts), with ONNX Runtime's profiler on the "
+             "encoder and decoder sessions; each operator type's kernel time in ms per text (the sessions' own "
+             "fused operators: `DynamicQuantizeMatMul` and `MatMulIntegerToFloat` are the int8 projections, "
+             "`GroupQueryAttention` the self-attention over the cache, `FusedMatMul` and `MatMul` mostly the "
+             "cross-attention)."),
+            table(["operator"] + [f"`{name}` {g}" for name, g in columns], rows)]
 
 
 def kernels_section(runs: list[dict]) -> str:

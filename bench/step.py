@@ -11,10 +11,16 @@ whatever its size, and the cost of each row. Two parts, in one run:
           Graph-Transformer, mvPE + POS. The weights are untrained, at the shipped models' size
           (--preset, 8000 pieces): a step's time depends on shapes, not on values. Architectures
           take turns at each row count.
+          The vanilla int8 step is timed twice more per row count with its memory cold: 64 MB
+          written before each step, as the rest of a served step (the other graphs, the other
+          worker, gRPC) evicts what the step read last time.
   engine  the engine loop (the server's, with its admission defaults, driven in this process) on
           trained checkpoints, vanilla and GRET, int8, one thread, with N texts in flight: a closed loop over test_2016_flickr
           in which a finished text is replaced at once, as N callers would. Per step: the
           milliseconds of each phase (encoder passes, decoder step, search, cache) and the rows.
+  ops     the engine loop at the widest in-flight count again, with ONNX Runtime's profiler on both
+          graphs: each operator type's kernel time in milliseconds per text (where the graphs'
+          time goes in a loaded engine, not in a step repeated on warm memory).
 
 A least-squares line through the (rows, ms) points gives each its fixed overhead (the intercept)
 and its cost per row (the slope). Writes bench-step.json and bench-step.png into runs/bench
@@ -32,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import onnxruntime as ort
 import torch
 
 from bench import add_publish, results_dir
@@ -55,6 +62,7 @@ ARCHITECTURES = {
     "mvpe-pos": dict(pe_k=7, pos_tags=True),
 }
 BEAM, SOURCE, WIDTH = 4, 20, 32
+EVICT_BYTES = 64 << 20  # written before a cold step: twice this machine's last-level cache
 
 
 def line(points: list[tuple[float, float]]) -> dict:
@@ -64,11 +72,13 @@ def line(points: list[tuple[float, float]]) -> dict:
     return {"fixed_ms": round(intercept, 3), "per_row_us": round(slope * 1e3, 2)}
 
 
-def median_ms(run, reps: int) -> float:
+def median_ms(run, reps: int, before=None) -> float:
     for _ in range(3):
         run()
     times = []
     for _ in range(reps):
+        if before:
+            before()
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
@@ -112,6 +122,11 @@ def graph_part(args, spm: bytes, build: Path) -> dict:
     out = {}
     for (name, precision), times in ms.items():
         out.setdefault(name, {})[precision] = {"rows": args.rows, "ms": times, **line(list(zip(args.rows, times)))}
+    cold_model = models.get(("vanilla", "int8"))
+    if cold_model is not None:  # the same step with what it read evicted before each run
+        evict = torch.zeros(EVICT_BYTES // 4)
+        cold = [round(median_ms(step_case(cold_model, rows), args.reps, lambda: evict.add_(1)), 3) for rows in args.rows]
+        out["vanilla"]["int8"]["cold_ms"] = cold
     return out
 
 
@@ -155,30 +170,76 @@ def closed_loop(engine: Engine, sources: list[tuple[list[int], list[int] | None]
             "ms": {k: round((engine.seconds[k] - seconds[k]) / n * 1e3, 3) for k in PHASES}}
 
 
-def engine_part(args, build: Path) -> dict:
+def engine_setups(args, build: Path) -> dict:
+    """Per checkpoint: (a maker of a fresh engine on the int8 repository, as the server's admission
+    defaults set it up; its test_2016_flickr sources)."""
     from server.backends import OnnxBackend
     from server.config import ServerConfig
 
-    config = ServerConfig()  # the server's admission defaults
-    engines, sources = {}, {}
+    config = ServerConfig()
+    setups = {}
     for path in args.checkpoints:
         model, ckpt, sp = load_checkpoint(path)
         texts = [e.source for e in load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang,
                                                  ckpt.data.tgt_lang)]
         ids, tags = source_inputs(model, sp, texts, ckpt.data.src_lang, ckpt.data.max_src_len)
-        sources[path.name] = list(zip(ids, tags or [None] * len(ids)))  # a model that reads POS tags gets them
-        backend = OnnxBackend(export(path, build / f"engine-{path.name}", "onnx"), "int8", 1)
-        engines[path.name] = lambda b=backend: Engine(b, "bench", Scheduler(
+        sources = list(zip(ids, tags or [None] * len(ids)))  # a model that reads POS tags gets them
+        repository = export(path, build / f"engine-{path.name}", "onnx")
+        make = lambda r=repository: Engine(OnnxBackend(r, "int8", 1), "bench", Scheduler(  # noqa: E731
             config.batching, config.max_batch_tokens, 1 << 20, config.max_call_share), observer=Rows())
-    points = {name: [] for name in engines}
+        setups[path.name] = make, sources
+    return setups
+
+
+def engine_part(args, setups: dict) -> dict:
+    points = {name: [] for name in setups}
     for in_flight in args.in_flight:
-        for name, make in engines.items():
-            points[name].append(closed_loop(make(), sources[name], in_flight, max(args.texts, 4 * in_flight)))
+        for name, (make, sources) in setups.items():
+            points[name].append(closed_loop(make(), sources, in_flight, max(args.texts, 4 * in_flight)))
     out = {}
     for name, series in points.items():
         fits = {k: line([(p["rows"], p["ms"][k]) for p in series]) for k in PHASES}
         fits["step"] = line([(p["rows"], sum(p["ms"].values())) for p in series])
         out[name] = {"points": series, "fit": fits}
+    return out
+
+
+# ---- the engine loop's graphs, operator by operator ---------------------------------------------
+def profiled(graph) -> None:
+    """Give an OnnxGraph a session of the same model and options that records ONNX Runtime's profile."""
+    options = graph.session.get_session_options()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"bench-step-{graph.spec.name}")
+    graph.session = ort.InferenceSession(graph.session._model_path, options, providers=graph.session.get_providers())
+
+
+def kernel_us(graph) -> dict[str, float]:
+    """Microseconds of kernel time per operator type since the session started (ends its profile)."""
+    path = Path(graph.session.end_profiling())
+    totals: dict[str, float] = {}
+    for event in json.loads(path.read_text()):
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            op = event["args"]["op_name"]
+            totals[op] = totals.get(op, 0.0) + event["dur"]
+    path.unlink()
+    return totals
+
+
+def ops_part(args, setups: dict) -> dict:
+    """Per model: each graph's kernel time by operator type, ms per text, over a closed loop at the
+    widest in-flight count (warm-up included: the profile starts with the session)."""
+    in_flight = max(args.in_flight)
+    texts = max(args.texts, 4 * in_flight)
+    out = {}
+    for name, (make, sources) in setups.items():
+        engine = make()
+        graphs = {"encoder": engine.backend.encoder, "decoder": engine.backend.decoder}
+        for graph in graphs.values():
+            profiled(graph)
+        closed_loop(engine, sources, in_flight, texts)
+        out[name] = {"in_flight": in_flight, "texts": texts,
+                     "ms_per_text": {g: {op: round(us / 1e3 / texts, 4) for op, us in sorted(
+                         kernel_us(graph).items(), key=lambda kv: -kv[1])} for g, graph in graphs.items()}}
     return out
 
 
@@ -232,7 +293,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         build = args.build_dir or Path(tmp)
         graph = graph_part(args, spm, build)
-        engine = engine_part(args, build)
+        setups = engine_setups(args, build)
+        engine = engine_part(args, setups)
+        ops = ops_part(args, setups)
     out = results_dir(args.publish) / "bench-step.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(graph, engine, out.with_suffix(".png"))
@@ -247,6 +310,7 @@ def main(argv=None) -> int:
         "versions": _versions(),
         "graph": graph,
         "engine": engine,
+        "ops": ops,
         "plot": out.with_suffix(".png").name,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -256,4 +320,8 @@ def main(argv=None) -> int:
     for name, f in engine.items():
         fits = "  ".join(f"{k} {v['fixed_ms']:.2f} ms + {v['per_row_us']:.1f} us/row" for k, v in f["fit"].items())
         print(f"engine {name}: {fits}")
+    for name, f in ops.items():
+        for g, by_op in f["ms_per_text"].items():
+            top = ", ".join(f"{op} {ms:.3f}" for op, ms in list(by_op.items())[:5])
+            print(f"ops    {name} {g}: {sum(by_op.values()):.3f} ms per text ({top}, ...)")
     return 0

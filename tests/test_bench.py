@@ -151,6 +151,12 @@ def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_re
             assert p["steps"] > 0 and p["rows"] >= 1 and p["texts_per_s"] > 0
             assert set(p["ms"]) == {"encode", "decoder", "search", "cache"} and p["ms"]["decoder"] > 0
         assert set(f["fit"]) == {"encode", "decoder", "search", "cache", "step"}
+    cold = result["graph"]["vanilla"]["int8"]["cold_ms"]  # the same step with its memory evicted first
+    assert len(cold) == 2 and all(ms > 0 for ms in cold)
+    assert set(result["ops"]) == {"tiny-en-de", "de-en"}
+    for f in result["ops"].values():  # the profiled loop ran both graphs, the self-attention among the decoder's ops
+        assert f["in_flight"] == 4 and set(f["ms_per_text"]) == {"encoder", "decoder"}
+        assert f["ms_per_text"]["decoder"]["GroupQueryAttention"] > 0 and sum(f["ms_per_text"]["encoder"].values()) > 0
     assert (tmp_path / "bench-step.png").read_bytes().startswith(PNG)
 
     page = tmp_path / "BENCHMARKS.md"
@@ -158,6 +164,7 @@ def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_re
     text = page.read_text()
     assert "## One step: fixed overhead and cost per row" in text and "`python -m bench step --quick" in text
     assert "| `gret` | int8 |" in text and "`de-en` line" in text
+    assert "| `GroupQueryAttention` |" in text and "`de-en` decoder" in text and "warm → cold" in text
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on CUDA the run times the kernels too")
