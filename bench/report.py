@@ -422,8 +422,8 @@ def ops_parts(ops: dict | None) -> list[str]:
              f"{first['in_flight']} texts in flight ({first['texts']} texts), with ONNX Runtime's profiler on the "
              "encoder and decoder sessions; each operator type's kernel time in ms per text (the sessions' own "
              "fused operators: `DynamicQuantizeMatMul` and `MatMulIntegerToFloat` are the int8 projections, "
-             "`GroupQueryAttention` the self-attention over the cache, `FusedMatMul` and `MatMul` mostly the "
-             "cross-attention)."),
+             "`GroupQueryAttention` the self-attention over the cache; `FusedMatMul` and `MatMul` are mostly the "
+             "decoder's cross-attention and, in a GRET encoder, its capsule routing)."),
             table(["operator"] + [f"`{name}` {g}" for name, g in columns], rows)]
 
 
