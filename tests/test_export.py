@@ -136,7 +136,8 @@ def test_a_sentence_may_join_the_batch_later_and_each_row_reads_only_its_own_col
 def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing(tmp_path, spm_bytes, monkeypatch):
     """The engine hands the step the very row_sentence, encoder state and cache objects while no
     row joins or leaves: the backend then reuses the row groups it derived (OnnxModel._layout) and
-    gives ONNX Runtime only the new tokens and positions. The log-probabilities and the cache are
+    gives ONNX Runtime only the new tokens and positions, copied into the tensors the last step bound
+    (OnnxGraph.rerun: no other input or output is looked at). The log-probabilities and the cache are
     those of a model that derives everything afresh at every step; new row_sentence values (a new
     object) are grouped again."""
     model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
@@ -147,9 +148,11 @@ def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing
     shape = (3, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
     cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
     fresh_cache = [(k.clone(), v.clone()) for k, v in cache]
-    grouped = []
+    grouped, bound = [], []
     monkeypatch.setattr("export.onnx_runtime.layout_inputs",
                         lambda *args, real=onnx_runtime.layout_inputs: grouped.append(1) or real(*args))
+    monkeypatch.setattr(onnx_model.decoder, "run",
+                        lambda *args, real=onnx_model.decoder.run, **kw: bound.append(1) or real(*args, **kw))
     row_sentence = torch.tensor([0, 0, 1])
     for step in range(3):
         tokens = torch.randint(4, model.cfg.vocab_size, (3,), generator=g)
@@ -159,8 +162,9 @@ def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing
         assert torch.equal(log_probs, expected) and all(torch.equal(a, b) for a, b in zip(top, expected_top))
     assert all(torch.equal(a, b) for kv, fresh_kv in zip(cache, fresh_cache) for a, b in zip(kv, fresh_kv))
     assert len(grouped) == 1 + 3  # this model's first step, and each of the fresh model's
+    assert len(bound) == 1  # its later steps only rerun the binding
     onnx_model.step_top(tokens, positions, torch.tensor([0, 1, 1]), enc, cache, 4)
-    assert len(grouped) == 5
+    assert len(grouped) == 5 and len(bound) == 2
 
 
 def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_bytes):
