@@ -7,7 +7,8 @@ written straight into torch tensors allocated here: with the CUDA provider CUDA 
 the device between steps. A binding is kept from run to run: large inputs (the caches, the
 encoder state) stay where they are, small ones are copied into tensors of the binding's own, and
 the decoder step writes its outputs into kept tensors, so a step runs on the memory of the step
-before (OnnxGraph.run).
+before (OnnxGraph.run); a step whose row layout is unchanged copies in its tokens and positions and
+reruns the binding as it stands (OnnxGraph.rerun).
 """
 from __future__ import annotations
 
