@@ -389,18 +389,19 @@ def step_section(data: dict, results: Path, out: Path) -> str:
                  f"{100 * f['fit']['decoder']['per_row_us'] / f['fit']['step']['per_row_us']:.0f}%."
                  for name, f in data["engine"].items()),
         image(results, data.get("plot"), out, "ms per step against rows"),
-        cold_paragraph(graph),
+        cold_paragraph(graph, s),
         *ops_parts(data.get("ops")),
     ] if p)
 
 
-def cold_paragraph(graph: dict) -> str:
+def cold_paragraph(graph: dict, settings: dict) -> str:
     """The vanilla int8 step with its memory cold (bench.step's EVICT_BYTES written before each)."""
     f = graph.get("vanilla", {}).get("int8", {})
     if "cold_ms" not in f:
         return ""
     pairs = ", ".join(f"{r}: {w} → {c}" for r, w, c in zip(f["rows"], f["ms"], f["cold_ms"]))
-    return ("The same `vanilla` int8 step with its memory cold (64 MB written before each step, as the rest of a "
+    return (f"The same `vanilla` int8 step with its memory cold ({settings['evict_mb']} MB written before each "
+            "step, as the rest of a "
             f"served step evicts what the step read last time), ms at each row count, warm → cold: {pairs}.")
 
 

@@ -11,7 +11,7 @@ whatever its size, and the cost of each row. Two parts, in one run:
           Graph-Transformer, mvPE + POS. The weights are untrained, at the shipped models' size
           (--preset, 8000 pieces): a step's time depends on shapes, not on values. Architectures
           take turns at each row count.
-          The vanilla int8 step is timed twice more per row count with its memory cold: 64 MB
+          The vanilla int8 step is timed once more per row count with its memory cold: 64 MB
           written before each step, as the rest of a served step (the other graphs, the other
           worker, gRPC) evicts what the step read last time.
   engine  the engine loop (the server's, with its admission defaults, driven in this process) on
@@ -191,11 +191,16 @@ def engine_setups(args, build: Path) -> dict:
     return setups
 
 
+def loop_texts(args, in_flight: int) -> int:
+    """Texts through a closed loop of `in_flight`: --texts, and at least 4 per caller."""
+    return max(args.texts, 4 * in_flight)
+
+
 def engine_part(args, setups: dict) -> dict:
     points = {name: [] for name in setups}
     for in_flight in args.in_flight:
         for name, (make, sources) in setups.items():
-            points[name].append(closed_loop(make(), sources, in_flight, max(args.texts, 4 * in_flight)))
+            points[name].append(closed_loop(make(), sources, in_flight, loop_texts(args, in_flight)))
     out = {}
     for name, series in points.items():
         fits = {k: line([(p["rows"], p["ms"][k]) for p in series]) for k in PHASES}
@@ -210,7 +215,7 @@ def profiled(graph) -> None:
     options = graph.session.get_session_options()
     options.enable_profiling = True
     options.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"bench-step-{graph.spec.name}")
-    graph.session = ort.InferenceSession(graph.session._model_path, options, providers=graph.session.get_providers())
+    graph.session = ort.InferenceSession(str(graph.path), options, providers=graph.session.get_providers())
 
 
 def kernel_us(graph) -> dict[str, float]:
@@ -229,7 +234,7 @@ def ops_part(args, setups: dict) -> dict:
     """Per model: each graph's kernel time by operator type, ms per text, over a closed loop at the
     widest in-flight count (warm-up included: the profile starts with the session)."""
     in_flight = max(args.in_flight)
-    texts = max(args.texts, 4 * in_flight)
+    texts = loop_texts(args, in_flight)
     out = {}
     for name, (make, sources) in setups.items():
         engine = make()
@@ -304,7 +309,8 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(),
         "settings": {"preset": args.preset, "vocab": args.vocab, "beam": BEAM, "source": SOURCE, "width": WIDTH,
-                     "reps": args.reps, "checkpoints": [str(c) for c in args.checkpoints], "quick": args.quick},
+                     "reps": args.reps, "evict_mb": EVICT_BYTES >> 20, "checkpoints": [str(c) for c in args.checkpoints],
+                     "quick": args.quick},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
                     "load_average_end": os.getloadavg(), "note": args.note},
         "versions": _versions(),

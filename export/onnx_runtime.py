@@ -57,6 +57,7 @@ class OnnxGraph:
         providers = ["CPUExecutionProvider"]
         if self.device.type == "cuda":
             providers.insert(0, ("CUDAExecutionProvider", {"device_id": self.device.index or 0}))
+        self.path = Path(path)
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
             raise RuntimeError(f"{path}: ONNX Runtime could not start its CUDA provider")
@@ -163,8 +164,7 @@ class StepLayout:
     inputs: dict[str, torch.Tensor]  # every decoder input but tokens and positions
     shapes: dict[str, tuple[int, ...]]  # the outputs'
     present: dict[str, torch.Tensor]  # the cache, where the step writes its column
-    unchanged: frozenset[str] = frozenset()  # LAYOUT_INPUTS once a run has bound them (a failed first run has not)
-    outputs: dict[str, torch.Tensor] | None = None  # where its last step wrote, once one has run (OnnxGraph.rerun)
+    outputs: dict[str, torch.Tensor] | None = None  # where its last step wrote, once one has run (a failed one has not)
 
 
 class OnnxModel:
@@ -224,9 +224,9 @@ class OnnxModel:
             outputs = layout.outputs  # the layout's own binding, only its tokens and positions new
         else:
             inputs = dict(layout.inputs, tokens=tokens, positions=positions)
-            outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True,
-                                       unchanged=layout.unchanged)
-            layout.unchanged, layout.outputs = LAYOUT_INPUTS, outputs  # from the next step of this layout on
+            bound = LAYOUT_INPUTS if layout.outputs is not None else frozenset()  # by a run of this layout
+            layout.outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=bound)
+            outputs = layout.outputs
         return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
 
     def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> StepLayout:
