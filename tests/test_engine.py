@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from server.engine.encoder_cache import EncoderCache
 from server.backends import TorchBackend
-from server.engine.batch import banned_tokens
+from server.engine.batch import banned_tokens, fork_slots
 from server.engine.engine import ENCODE_PIECES, Draining, Engine, Replicas, encoder_passes
 from server.engine.options import DecodingOptions, Limits, OptionError
 from server.engine.scheduler import QueueFull, Scheduler, batch_cost
@@ -107,6 +108,16 @@ def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     torch.testing.assert_close(batch.kv[:, slot, :, :3], cached)
     engine.run_until_idle()
     assert [h.tokens for h in long.hypotheses] == [h.tokens for h in offline(model, long.src, long.options)]
+
+
+def test_a_beams_first_child_keeps_its_slot_and_later_children_take_the_lowest_free_slots():
+    """Parents by row 3, 3, 1, 3 in 5 slots: the first children keep 3 and 1; the other two children
+    of 3 take 0 and 2, the lowest slots no first child keeps (the parents' old slots included), and
+    slots past the storage once none is free, which the batch then grows to."""
+    slot, forks = fork_slots(np.array([3, 3, 1, 3]), 5)
+    assert slot.tolist() == [3, 0, 1, 2] and forks.tolist() == [1, 3]
+    slot, forks = fork_slots(np.array([0, 1, 0, 1, 0]), 2)
+    assert slot.tolist() == [0, 1, 2, 3, 4] and forks.tolist() == [2, 3, 4]
 
 
 def test_steps_that_keep_the_row_layout_hand_the_backend_the_same_row_sentence():

@@ -34,8 +34,11 @@ sequence has one row (BOS), not `beam` copies.
 
 The search state above is NumPy; only what the decoder step reads or writes (the cache, the encoder
 slots, the step's inputs) is torch's. The state is a few hundred numbers, on which a call costs its
-overhead, and NumPy's is a fraction of torch's: between two decoder steps the search and the
-bookkeeping make some hundred such calls.
+overhead, not its work: so the per-step work over all rows (the rule's step, the children's slots and
+copies, the step's inputs by slot) is compiled with Numba, one call each, and Python is left the
+hypotheses that finish and the sequences that end. A NumPy call costs a microsecond or more, and
+several with the caches cold after a decoder step; the search and bookkeeping made some forty of them
+between two steps, about a quarter of a one-text step's time.
 
 A step is two calls, timed apart by the engine: search() decides (candidates from the top-k that
 the backend's step picked, finished hypotheses), advance() moves the rows into their next state
@@ -46,10 +49,12 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
 
-from training.seq2seq.beam import NEG_INF, Candidates, Hypothesis, candidates, first_rows, force_prefix, select
+from training.seq2seq.beam import (NEG_INF, Candidates, Hypothesis, candidates_kernel, first_rows, force_prefix,
+                                  select_kernel)
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
@@ -124,13 +129,12 @@ class Batch:
         top_k); an empty slot has row_sentence -1 and position 0. A row's sentence is its
         sequence's encoder slot; top_k is the candidates a row needs: twice the widest beam. The
         cache has a column free at every row's position, where the step writes."""
-        self._reserve(int(self.positions.max()) + 1, 0)
-        n = int(self.slot.max()) + 1
-        tokens, positions = np.zeros(n, np.int64), np.zeros(n, np.int64)
-        row_sentence = np.full(n, -1, np.int64)
-        tokens[self.slot], positions[self.slot], row_sentence[self.slot] = self.tokens, self.positions, \
-            self.enc_slot[self.row_seq]
-        if self.row_sentence is None or not np.array_equal(self.row_sentence.numpy(), row_sentence):
+        last = self.row_sentence.numpy() if self.row_sentence is not None else np.empty(0, np.int64)
+        tokens, positions, row_sentence, same = slot_inputs(self.slot, self.tokens, self.positions,
+                                                            self.enc_slot[self.row_seq], last)
+        self._reserve(int(positions.max()) + 1, 0)
+        n = len(tokens)
+        if not same:
             self.row_sentence = torch.from_numpy(row_sentence)  # never written again: the backend keeps what it derives
         cache = self._cache_views(n)
         top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
@@ -161,23 +165,19 @@ class Batch:
         k = top_tokens.shape[1]
         if self.constrained:  # the constraints change some log-probabilities: their top_k is chosen again
             top_log_probs, top_tokens = row_topk()(self._constrain(log_probs.float()), k)
-        top_log_probs, top_tokens = host(top_log_probs), host(top_tokens)
-        cand = candidates(self.scores, top_log_probs[self.slot], top_tokens[self.slot], self.counts, k)
-        length = self.positions[first_rows(self.counts)] + 1  # of each sequence
-        pick = select(cand.scores, cand.tokens == self.cfg.eos_id, length >= self.limits, self.beams, self.held)
+        scores, rows, tokens, finishing, kept, done, length = decide(
+            self.scores, host(top_log_probs), host(top_tokens), self.slot, self.counts, self.positions, self.limits,
+            self.beams, self.held, self.cfg.eos_id, k)
         # Most steps finish no hypothesis and end no sequence: those skip the bookkeeping for them.
-        if pick.finishing.any():
-            self.held = self.held + pick.finishing.sum(1)
-            self._finish_hypotheses(cand, pick.finishing)
-        ended, alive, kept = [], np.arange(len(self.seqs)), pick.kept
-        if pick.done.any():
-            done = np.flatnonzero(pick.done)
-            ended = [self.seqs[i] for i in done.tolist()]
+        if finishing.any():
+            self.held = self.held + finishing.sum(1)
+            self._finish_hypotheses(Candidates(scores, rows, tokens), finishing)
+        ended = []
+        if done.any():
+            ended = [self.seqs[i] for i in np.flatnonzero(done).tolist()]
             for seq, steps in zip(ended, length[done].tolist()):
                 seq.step = steps
-            alive = np.flatnonzero(~pick.done)
-            cand, kept = Candidates(*(a[alive] for a in cand)), kept[alive]
-        return Choice(cand.rows[kept], cand.tokens[kept], cand.scores[kept], kept.sum(1), alive, ended)
+        return Choice(*children(rows, tokens, scores, kept, done), ended)
 
     def advance(self, choice: Choice) -> list[Sequence]:
         """Apply search()'s choice after the step (which wrote its keys/values into the cache);
@@ -233,14 +233,13 @@ class Batch:
                  alive: np.ndarray, leaving: list[Sequence], stepped: bool) -> None:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
         are gone; after a step each row is its parent's child, one token longer."""
-        parents, positions, history = self.slot[rows], self.positions[rows], self.history[rows]
+        parents, positions = self.slot[rows], self.positions[rows]
         if stepped:
             self.slot = self._place_children(parents, positions)
-            history = fit_columns(history, int(positions.max()) + 1 if len(rows) else 0)
-            history[np.arange(len(rows)), positions] = tokens
+            history = extended_history(self.history, rows, positions, tokens)
             positions = positions + 1
         else:
-            self.slot = parents
+            self.slot, history = parents, self.history[rows]
         self.history, self.positions, self.tokens, self.scores = history, positions, tokens, scores
         self.row_seq = np.repeat(np.arange(len(alive)), counts)
         self.counts = counts
@@ -262,29 +261,22 @@ class Batch:
         """Slots for children of slots `parents` (their parents' positions `positions`), whose
         step keys/values the step wrote in place: a parent's first child keeps the slot, the
         others get a copy in a free slot."""
-        first = np.ones(len(parents), bool)
-        if len(parents):
-            order = np.argsort(parents, kind="stable")
-            sorted_parents = parents[order]
-            first[order[1:]] = sorted_parents[1:] != sorted_parents[:-1]
-        forks = np.flatnonzero(~first)
-        slot = parents.copy()
+        slot, forks = fork_slots(parents, self.capacity)
         if len(forks):
-            free = self._free_slots(len(forks), parents[first])
-            self._copy_slots(parents[forks], free, positions[forks] + 1)
-            slot[forks] = free
+            self._reserve(0, int(slot[forks].max()) + 1)
+            self._copy_slots(parents[forks], slot[forks], positions[forks] + 1)
         return slot
 
     def _copy_slots(self, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
         """Slot targets[i] <- slot sources[i], its first columns[i] columns (the rest are not its own):
         rows of a running batch are at every step of their texts, and a young row's fork moves a
-        few columns, not the oldest row's. The two sets never meet. Slot by slot over all planes at
-        once: a strided copy per slot beats a gather and a scatter per plane, which index_select does
-        slowly on a narrowed cache. On CPU through NumPy, whose views and copies cost less per call
-        than torch's."""
-        kv = self.kv.numpy() if self.kv.device.type == "cpu" else self.kv  # the same memory
+        few columns, not the oldest row's. The two sets never meet."""
+        if self.kv.device.type == "cpu":
+            copy_columns(self.kv.numpy(), sources, targets, columns)
+            return
+        # an accelerator's cache: compiled (Numba CPU) code cannot reach it
         for source, target, n in zip(sources.tolist(), targets.tolist(), columns.tolist()):
-            kv[:, target, :, :n] = kv[:, source, :, :n]
+            self.kv[:, target, :, :n] = self.kv[:, source, :, :n]
 
     def _free_slots(self, n: int, taken: np.ndarray) -> np.ndarray:
         """The n lowest slots not in `taken`, growing the slots if there are too few."""
@@ -328,20 +320,104 @@ class Batch:
         self.slot[high] = free
 
 
+@numba.njit(cache=True, nogil=True)
+def decide(row_scores, top_log_probs, top_tokens, slot, counts, positions, limits, beams, held, eos: int, k: int):
+    """The rule's step (training.seq2seq.beam) over the batch's rows, whose top-k are read at their
+    slots: (candidates' scores, rows, tokens; finishing, kept, done; each sequence's length after it)."""
+    scores, rows, tokens = candidates_kernel(row_scores, top_log_probs[slot], top_tokens[slot], counts, k)
+    length = np.empty(len(counts), np.int64)
+    start = 0
+    for i in range(len(counts)):
+        length[i] = positions[start] + 1
+        start += counts[i]
+    finishing, kept, done = select_kernel(scores, tokens == eos, length >= limits, beams, held)
+    return scores, rows, tokens, finishing, kept, done, length
+
+
+@numba.njit(cache=True, nogil=True)
+def children(rows, tokens, scores, kept, done):
+    """The next step's rows, Choice's arrays: the kept candidates of the sequences that go on, in
+    order (rows, tokens, scores), how many each of them keeps, and which they are (old indices)."""
+    alive = np.flatnonzero(~done)
+    counts = np.zeros(len(alive), np.int64)
+    for a in range(len(alive)):
+        counts[a] = kept[alive[a]].sum()
+    n = counts.sum()
+    child_rows, child_tokens, child_scores = np.empty(n, np.int64), np.empty(n, tokens.dtype), \
+        np.empty(n, scores.dtype)
+    c = 0
+    for i in alive:
+        for j in range(kept.shape[1]):
+            if kept[i, j]:
+                child_rows[c], child_tokens[c], child_scores[c] = rows[i, j], tokens[i, j], scores[i, j]
+                c += 1
+    return child_rows, child_tokens, child_scores, counts, alive
+
+
+@numba.njit(cache=True, nogil=True)
+def fork_slots(parents: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each child's slot, the children that fork): a parent's first child keeps its slot; the
+    others, in order, take the lowest slots that no first child keeps, past `capacity` if need be."""
+    kept = np.zeros(capacity, np.bool_)
+    first = np.zeros(len(parents), np.bool_)
+    for i in range(len(parents)):
+        if not kept[parents[i]]:
+            kept[parents[i]] = first[i] = True
+    slot, forks = parents.copy(), np.flatnonzero(~first)
+    free = 0
+    for i in forks:
+        while free < capacity and kept[free]:
+            free += 1
+        slot[i] = free
+        free += 1
+    return slot, forks
+
+
+@numba.njit(cache=True, nogil=True)
+def copy_columns(kv: np.ndarray, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
+    """kv (planes, slots, H, width, d_h): slot targets[i] <- slot sources[i], first columns[i] columns;
+    one contiguous block per plane and head (a NumPy strided copy of the 5-D view costs twice this)."""
+    for i in range(len(sources)):
+        n = columns[i]
+        for plane in range(kv.shape[0]):
+            for head in range(kv.shape[2]):
+                kv[plane, targets[i], head, :n] = kv[plane, sources[i], head, :n]
+
+
 def constrained(seq: Sequence) -> bool:
     """Whether its options need _constrain."""
     return bool(seq.options.min_length or seq.options.no_repeat_ngram or seq.options.prefix)
 
 
-def fit_columns(history: np.ndarray, columns: int) -> np.ndarray:
-    """`history` with room for at least `columns` columns, in whole steps of COLUMNS (the rest are
-    dropped: no row has tokens there)."""
-    width = whole_steps(max(columns, 1))
-    if width <= history.shape[1]:
-        return history[:, :width]
-    return np.concatenate([history, np.zeros((len(history), width - history.shape[1]), history.dtype)], 1)
+@numba.njit(cache=True, nogil=True)
+def extended_history(history: np.ndarray, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Rows `rows` of `history`, each with its token written at its position, in whole steps of
+    COLUMNS that hold the longest (the columns past a row's position are not its own)."""
+    width = whole_steps(positions.max() + 1 if len(rows) else 1)
+    kept = min(width, history.shape[1])
+    out = np.zeros((len(rows), width), history.dtype)
+    for i in range(len(rows)):
+        out[i, :kept] = history[rows[i], :kept]
+        out[i, positions[i]] = tokens[i]
+    return out
 
 
+@numba.njit(cache=True, nogil=True)
+def slot_inputs(slot: np.ndarray, tokens: np.ndarray, positions: np.ndarray, sentence: np.ndarray,
+                last_row_sentence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """The rows' tokens, positions and sentences, laid out by slot over slots 0..n-1 (an empty slot:
+    token 0, position 0, sentence -1), and whether the sentences equal the last step's."""
+    n = slot.max() + 1
+    by_slot_tokens, by_slot_positions = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    row_sentence = np.full(n, -1, np.int64)
+    for i in range(len(slot)):
+        s = slot[i]
+        by_slot_tokens[s], by_slot_positions[s], row_sentence[s] = tokens[i], positions[i], sentence[i]
+    same = len(last_row_sentence) == n and (last_row_sentence == row_sentence).all()
+    return by_slot_tokens, by_slot_positions, row_sentence, same
+
+
+@numba.njit(cache=True)
 def whole_steps(columns: int) -> int:
     """`columns` rounded up to a multiple of COLUMNS."""
     return -(-columns // COLUMNS) * COLUMNS

@@ -7,7 +7,10 @@ over its rows' tokens, best first, ties to the lower row, then the lower token. 
 token at the sequence's last step, finishes a hypothesis if its candidate ranks inside the beam
 (and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is
 done once it holds `beam` finished hypotheses, reaches its length limit, or has no candidate left.
-Both steps work on all sequences at once, each with its own beam size and rows.
+Both steps work on all sequences at once, each with its own beam size and rows, as loops compiled
+with Numba (candidates_kernel, select_kernel; the engine composes them with its own bookkeeping in
+one compiled call): the step runs between every two decoder steps on a few hundred numbers, where
+each NumPy call's fixed cost, not its work, was the time.
 
 A target prefix (CTranslate2's target_prefix) is forced decoding: while a sequence's step is inside
 its prefix, its rows may take only the prefix's next token, at no cost (force_prefix); so one row
@@ -21,6 +24,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
 
@@ -80,27 +84,41 @@ class Candidates(NamedTuple):
 
 def candidates(row_scores: np.ndarray, top_log_probs: np.ndarray, top_tokens: np.ndarray, counts: np.ndarray,
                k: int) -> Candidates:
-    """Each sequence's k best candidates. Sequence i owns `counts[i]` consecutive rows (R in all);
-    top_log_probs / top_tokens (R, m >= k) are each row's own best tokens, best first and ties to
-    the lower token: a row's score shifts all its tokens alike, so a sequence's k best are among
-    its rows' k best, and one top-k over them (rows side by side) is one over rows x vocabulary.
+    """Each sequence's k best candidates (fewer where all its rows hold fewer: K = min(k, widest
+    sequence's rows x m), padded with -inf, row R, token 0). Sequence i owns `counts[i]` consecutive
+    rows (R in all); top_log_probs / top_tokens (R, m) are each row's own best tokens, best first and
+    ties to the lower token. A row's score shifts all its tokens alike, so a sequence's k best are
+    among its rows' k best: a merge of its rows' lists, ties to the lower row, is its top-k over
+    rows x vocabulary."""
+    return Candidates(*candidates_kernel(row_scores, top_log_probs, top_tokens, counts, k))
 
-    NumPy arrays, as in select(): the search's arrays are a few hundred numbers, where a NumPy call
-    costs a fraction of a torch call (the rule runs between every two decoder steps)."""
-    per_row, width = top_log_probs.shape[1], int(counts.max())
-    totals = top_log_probs + row_scores[:, None]
-    if (counts == width).all():  # every sequence has as many rows: they lie side by side already
-        index = np.arange(len(row_scores)).reshape(len(counts), width)
-        padded, tokens = totals.reshape(len(counts), -1), top_tokens.reshape(len(counts), -1)
-    else:
-        offsets = np.arange(width)
-        starts = first_rows(counts)[:, None]
-        index = np.where(offsets < counts[:, None], starts + offsets, len(row_scores))  # R: padding
-        padded = np.concatenate([totals, np.full((1, per_row), NEG_INF, totals.dtype)])[index].reshape(len(counts), -1)
-        tokens = np.concatenate([top_tokens, np.zeros((1, per_row), top_tokens.dtype)])[index].reshape(len(counts), -1)
-    at = np.argsort(-padded, axis=1, kind="stable")[:, :k]  # stable: ties to the lower row, then token
-    sequence = np.arange(len(counts))[:, None]
-    return Candidates(padded[sequence, at], index[sequence, at // per_row], tokens[sequence, at])
+
+@numba.njit(cache=True, nogil=True)
+def candidates_kernel(row_scores, top_log_probs, top_tokens, counts, k):
+    n_seqs, per_row = len(counts), top_log_probs.shape[1]
+    width = counts.max() if n_seqs else 0
+    m = min(k, width * per_row)
+    scores = np.empty((n_seqs, m), top_log_probs.dtype)
+    rows = np.empty((n_seqs, m), np.int64)
+    tokens = np.empty((n_seqs, m), top_tokens.dtype)
+    head = np.zeros(width, np.int64)  # each row's next unused candidate
+    start = 0
+    for i in range(n_seqs):
+        head[:] = 0
+        for j in range(m):
+            best, at = NEG_INF, -1
+            for r in range(counts[i]):
+                if head[r] < per_row:
+                    total = top_log_probs[start + r, head[r]] + row_scores[start + r]
+                    if at < 0 or total > best:  # strictly better: of equals, the lower row
+                        best, at = total, r
+            if at < 0:  # the sequence's rows hold fewer than m
+                scores[i, j], rows[i, j], tokens[i, j] = NEG_INF, len(row_scores), 0
+            else:
+                scores[i, j], rows[i, j], tokens[i, j] = best, start + at, top_tokens[start + at, head[at]]
+                head[at] += 1
+        start += counts[i]
+    return scores, rows, tokens
 
 
 class Selection(NamedTuple):
@@ -114,11 +132,25 @@ def select(scores: np.ndarray, ends: np.ndarray, last: np.ndarray, beams: np.nda
     """One step's decisions for all sequences: scores (S, K) their candidates, best first; ends
     (S, K) where the token is EOS; last (S,) this is the sequence's last step; beams (S,) its beam
     size; finished (S,) the hypotheses it held before this step."""
-    rank = np.arange(scores.shape[1])
-    real = (scores > NEG_INF) & (rank < 2 * beams[:, None])
-    final = real & (ends | last[:, None])
-    finishing = final & (rank < beams[:, None])  # only candidates that rank inside the beam may finish
-    going = real & ~final
-    kept = going & (np.cumsum(going, 1) <= beams[:, None])
-    done = (finished + finishing.sum(1) >= beams) | last | ~kept.any(1)
-    return Selection(finishing, kept, done)
+    return Selection(*select_kernel(scores, ends, last, beams, finished))
+
+
+@numba.njit(cache=True, nogil=True)
+def select_kernel(scores, ends, last, beams, finished):
+    n_seqs, k = scores.shape
+    finishing, kept = np.zeros((n_seqs, k), np.bool_), np.zeros((n_seqs, k), np.bool_)
+    done = np.empty(n_seqs, np.bool_)
+    for i in range(n_seqs):
+        n_finishing = n_kept = 0
+        for j in range(min(k, 2 * beams[i])):
+            if not scores[i, j] > NEG_INF:  # no candidate (and never a NaN one)
+                continue
+            if ends[i, j] or last[i]:
+                if j < beams[i]:  # only candidates that rank inside the beam may finish
+                    finishing[i, j] = True
+                    n_finishing += 1
+            elif n_kept < beams[i]:
+                kept[i, j] = True
+                n_kept += 1
+        done[i] = finished[i] + n_finishing >= beams[i] or last[i] or n_kept == 0
+    return finishing, kept, done
