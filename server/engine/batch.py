@@ -233,16 +233,17 @@ class Batch:
                  alive: np.ndarray, leaving: list[Sequence], stepped: bool) -> None:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
         are gone; after a step each row is its parent's child, one token longer."""
-        parents, positions = self.slot[rows], self.positions[rows]
         if stepped:
-            self.slot = self._place_children(parents, positions)
-            history = extended_history(self.history, rows, positions, tokens)
-            positions = positions + 1
+            slot, positions, history, row_seq, forks, parents = next_rows(self.slot, self.positions, self.history,
+                                                                          rows, tokens, counts, self.capacity)
+            if len(forks):  # a parent's later children copy its slot's columns into theirs
+                self._reserve(0, int(slot[forks].max()) + 1)  # (the slots in use are still the parents')
+                self._copy_slots(parents, slot[forks], positions[forks])
         else:
-            self.slot, history = parents, self.history[rows]
-        self.history, self.positions, self.tokens, self.scores = history, positions, tokens, scores
-        self.row_seq = np.repeat(np.arange(len(alive)), counts)
-        self.counts = counts
+            slot, positions, history = self.slot[rows], self.positions[rows], self.history[rows]
+            row_seq = np.repeat(np.arange(len(alive)), counts)
+        self.slot, self.history, self.positions, self.tokens, self.scores = slot, history, positions, tokens, scores
+        self.row_seq, self.counts = row_seq, counts
         if leaving:
             self.seqs = [self.seqs[i] for i in alive.tolist()]
             self.beams, self.limits, self.held = self.beams[alive], self.limits[alive], self.held[alive]
@@ -256,16 +257,6 @@ class Batch:
                 self.enc_slot = moved[self.enc_slot]
         if len(alive):  # else the storage stays as it is for the next sequences
             self._close_up()
-
-    def _place_children(self, parents: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Slots for children of slots `parents` (their parents' positions `positions`), whose
-        step keys/values the step wrote in place: a parent's first child keeps the slot, the
-        others get a copy in a free slot."""
-        slot, forks = fork_slots(parents, self.capacity)
-        if len(forks):
-            self._reserve(0, int(slot[forks].max()) + 1)
-            self._copy_slots(parents[forks], slot[forks], positions[forks] + 1)
-        return slot
 
     def _copy_slots(self, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
         """Slot targets[i] <- slot sources[i], its first columns[i] columns (the rest are not its own):
@@ -352,6 +343,18 @@ def children(rows, tokens, scores, kept, done):
                 child_rows[c], child_tokens[c], child_scores[c] = rows[i, j], tokens[i, j], scores[i, j]
                 c += 1
     return child_rows, child_tokens, child_scores, counts, alive
+
+
+@numba.njit(cache=True, nogil=True)
+def next_rows(slot, positions, history, rows, tokens, counts, capacity: int):
+    """After a step, rows `rows` (old indices) go on, each its parent's child with its token in
+    `tokens` appended, as the beams of sequences of `counts` rows each: (their slots, positions,
+    history, sequence; the children that fork (fork_slots) and their parents' slots)."""
+    parents, parent_positions = slot[rows], positions[rows]
+    child_slot, forks = fork_slots(parents, capacity)
+    history = extended_history(history, rows, parent_positions, tokens)
+    row_seq = np.repeat(np.arange(len(counts)), counts)
+    return child_slot, parent_positions + 1, history, row_seq, forks, parents[forks]
 
 
 @numba.njit(cache=True, nogil=True)

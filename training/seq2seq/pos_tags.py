@@ -11,11 +11,13 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import math
 import os
 import re
 import unicodedata
 from typing import Iterable
+
+import numba
+import numpy as np
 
 UPOS: tuple[str, ...] = (
     "ADJ", "ADP", "ADV", "AUX", "CCONJ", "DET", "INTJ", "NOUN", "NUM",
@@ -142,53 +144,100 @@ def _viterbi(model, words: list[str]) -> list[int]:
 
     The model is a second-order HMM: a state is the pair (previous tag, tag), and a word may take
     only the tags its analysis allows. HanTa's own search tries every one of the ~56 successor tags
-    of each live state and then discards all but the word's few; this loop visits only the word's
+    of each live state and then discards all but the word's few; this search visits only the word's
     tags, in the same order, with HanTa's pruning (states within 1 of the sixth best), sums and
     tie-breaking, so the tags are the same. Tagging is the GRET model's largest cost in the
-    server's front end.
+    server's front end, so the search is compiled (_best_path) over the model as arrays (_hmm).
     """
-    floor = -1e6
-    transitions = model.LP_trans_word
-    row, back = {(_EMPTY, _START): 0.0}, []
-    for i, word in enumerate(words):
-        candidates = _emissions(model, word, i > 0)
-        bound = sorted(row.values(), reverse=True)[5] - 1 if len(row) > 5 else floor
-        new_row, pointers = {}, {}
-        for state, lp0 in row.items():
-            if lp0 < bound:
-                continue
-            successors, previous = transitions[state], state[1]
-            for tag, emission in candidates:
-                transition = successors.get(tag)
-                if transition is None:
-                    continue
-                lp = lp0 + transition + emission
-                nxt = (previous, tag)
-                best = new_row.get(nxt)
-                if lp > floor and (best is None or lp > best):
-                    new_row[nxt], pointers[nxt] = lp, state
-        row = new_row
-        back.append(pointers)
-    state = max(row, key=lambda s: row[s] + transitions[s].get(_END, -math.inf))  # the first of equals, as HanTa
-    tags = []
-    for pointers in reversed(back):
-        tags.append(state[1])
-        state = pointers[state]
-    return tags[::-1]
+    tag_ids, index, transitions = _hmm(model)
+    candidates = [_emissions(model, word, i > 0) for i, word in enumerate(words)]
+    offsets = np.cumsum([0] + [len(tags) for tags, _ in candidates])
+    tags = np.concatenate([tags for tags, _ in candidates]) if words else np.empty(0, np.int64)
+    scores = np.concatenate([scores for _, scores in candidates]) if words else np.empty(0)
+    n = len(tag_ids)
+    path = _best_path(transitions, offsets, tags, scores, index[_EMPTY] * n + index[_START], index[_END], n)
+    return tag_ids[path].tolist()
 
 
 _EMPTY, _START, _END = 0, 1, 2  # HanTa's reserved tag ids
 
 
+@functools.lru_cache(maxsize=None)
+def _hmm(model) -> tuple[np.ndarray, dict[int, int], np.ndarray]:
+    """HanTa's transitions as arrays: (its tag ids, sorted; each id's index i in them; the
+    log-probability of tag j after state (tag a, tag b), at [a * T + b, j], -inf where HanTa has none)."""
+    transitions = model.LP_trans_word
+    tag_ids = sorted({t for state in transitions for t in state} | {t for nxt in transitions.values() for t in nxt})
+    index = {t: i for i, t in enumerate(tag_ids)}
+    n = len(tag_ids)
+    table = np.full((n * n, n), -np.inf)
+    for (previous, tag), successors in transitions.items():
+        for successor, lp in successors.items():
+            table[index[previous] * n + index[tag], index[successor]] = lp
+    return np.array(tag_ids), index, table
+
+
+@numba.njit(cache=True, nogil=True)
+def _best_path(transitions, offsets, tags, scores, start, end, n):
+    """_viterbi's search: word w may take tags[offsets[w]:offsets[w + 1]] (indices into the model's
+    tags, with their emission scores); a state is previous * n + tag. A row keeps its states in
+    the order they were first reached, which decides ties as HanTa's dictionaries do."""
+    floor = -1e6
+    row, row_lp = np.full(1, start), np.zeros(1)
+    where = np.full(n * n, -1)  # a state's place in the row being built
+    back_states, back_parents = [row], [row]
+    for w in range(len(offsets) - 1):
+        bound = np.sort(row_lp)[len(row) - 6] - 1 if len(row) > 5 else floor
+        size = len(row) * (offsets[w + 1] - offsets[w])
+        states, lps, parents = np.empty(size, np.int64), np.empty(size), np.empty(size, np.int64)
+        k = 0
+        for a in range(len(row)):
+            if row_lp[a] < bound:
+                continue
+            previous = row[a] % n
+            for c in range(offsets[w], offsets[w + 1]):
+                lp = row_lp[a] + transitions[row[a], tags[c]] + scores[c]
+                if not lp > floor:  # no such transition (-inf), or too unlikely
+                    continue
+                nxt = previous * n + tags[c]
+                at = where[nxt]
+                if at < 0:
+                    where[nxt], states[k], lps[k], parents[k] = k, nxt, lp, row[a]
+                    k += 1
+                elif lp > lps[at]:
+                    lps[at], parents[at] = lp, row[a]
+        where[states[:k]] = -1
+        row, row_lp = states[:k], lps[:k]
+        back_states.append(row)
+        back_parents.append(parents[:k])
+    if not len(row):
+        raise ValueError("no tag sequence reaches the end of the sentence")
+    best = 0  # the first of equals, as HanTa
+    for a in range(1, len(row)):
+        if row_lp[a] + transitions[row[a], end] > row_lp[best] + transitions[row[best], end]:
+            best = a
+    state, path = row[best], np.empty(len(offsets) - 1, np.int64)
+    for w in range(len(offsets) - 2, -1, -1):
+        path[w] = state % n
+        states = back_states[w + 1]
+        for i in range(len(states)):
+            if states[i] == state:
+                state = back_parents[w + 1][i]
+                break
+    return path
+
+
 @functools.lru_cache(maxsize=ANALYSES)
-def _emissions(model, word: str, case_sensitive: bool) -> list[tuple[int, float]]:
-    """(tag, log emission score) for each tag the word may take, in the order HanTa tries them
-    (every state lists its successors in one order). A word HanTa cannot analyse (no tag, or
-    only its UNKNOWN, which is no state's successor) may take any tag, free; so may one whose tags
-    no state can reach, where HanTa's own search would fail."""
+def _emissions(model, word: str, case_sensitive: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(the model's tag indices (_hmm), their log emission scores) for each tag the word may take,
+    in the order HanTa tries them (every state lists its successors in one order). A word HanTa
+    cannot analyse (no tag, or only its UNKNOWN, which is no state's successor) may take any tag,
+    free; so may one whose tags no state can reach, where HanTa's own search would fail."""
     emissions = dict(model._tag_word(word, cutoff=5, casesensitive=case_sensitive, conditional=True))
     order = [t for t in next(iter(model.LP_trans_word.values())) if t != _END]
-    return [(t, emissions[t]) for t in order if t in emissions] or [(t, 0) for t in order]
+    pairs = [(t, emissions[t]) for t in order if t in emissions] or [(t, 0.0) for t in order]
+    index = _hmm(model)[1]
+    return np.array([index[t] for t, _ in pairs], np.int64), np.array([e for _, e in pairs], np.float64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,6 +248,7 @@ def _jieba_posseg():
     return jieba.posseg
 
 
+@functools.lru_cache(maxsize=ANALYSES)  # a word's class is the word's alone; real text repeats its words
 def _char_class_tag(token: str) -> int | None:
     """Tag decided by the characters alone, or None for real words.
 
@@ -217,6 +267,7 @@ def _char_class_tag(token: str) -> int | None:
     return X_ID
 
 
+@functools.lru_cache(maxsize=ANALYSES)
 def _is_invisible(token: str) -> bool:
     # Control/format chars: SentencePiece drops them or turns them into spaces.
     return all(unicodedata.category(c)[0] in "CZ" for c in token)
