@@ -23,10 +23,7 @@ ARG BAKE_MODELS=1
 # 1: export the shipped checkpoints to ONNX now and verify each export against its recorded
 # validation score (needs the data build context), so that a container serves as soon as it starts.
 ARG PREPARE_MODELS=1
-# Numba's compiled beam search is cached beside the model repositories: the code in /app is read-only
-# to the server, and preparing the models at build time (a verifying decode) fills it.
 ENV GRET_SERVE_CACHE=/var/cache/gret-serve \
-    NUMBA_CACHE_DIR=/var/cache/gret-serve/numba \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -89,7 +86,11 @@ ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     GRET_SERVE_CACHE=/var/cache/gret-serve \
-    NUMBA_CACHE_DIR=/var/cache/gret-serve/numba
+    NUMBA_CACHE_DIR=/tmp/numba-cache
+# Numba's compiled beam search needs a writable cache directory even to start (a function cached
+# nowhere fails at import), and the root filesystem may be read-only (deploy/k8s): /tmp is writable
+# wherever the image runs. A container's first decode in each process compiles the search (seconds);
+# later processes of the same container load it from there.
 
 # A fixed numeric id, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 RUN groupadd --gid 10001 gret \
