@@ -36,9 +36,8 @@ The search state above is NumPy; only what the decoder step reads or writes (the
 slots, the step's inputs) is torch's. The state is a few hundred numbers, on which a call costs its
 overhead, not its work: so the per-step work over all rows (the rule's step, the children's slots and
 copies, the step's inputs by slot) is compiled with Numba, one call each, and Python is left the
-hypotheses that finish and the sequences that end. A NumPy call costs a microsecond or more, and
-several with the caches cold after a decoder step; the search and bookkeeping made some forty of them
-between two steps, about a quarter of a one-text step's time.
+hypotheses that finish and the sequences that end: a NumPy call's fixed cost grows with the caches
+cold after a decoder step, and the search and bookkeeping made dozens of them between two steps.
 
 A step is two calls, timed apart by the engine: search() decides (candidates from the top-k that
 the backend's step picked, finished hypotheses), advance() moves the rows into their next state
@@ -234,16 +233,15 @@ class Batch:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
         are gone; after a step each row is its parent's child, one token longer."""
         if stepped:
-            slot, positions, history, row_seq, forks, parents = next_rows(self.slot, self.positions, self.history,
-                                                                          rows, tokens, counts, self.capacity)
+            slot, positions, history, forks, parents = next_rows(self.slot, self.positions, self.history, rows,
+                                                                 tokens, self.capacity)
             if len(forks):  # a parent's later children copy its slot's columns into theirs
                 self._reserve(0, int(slot[forks].max()) + 1)  # (the slots in use are still the parents')
                 self._copy_slots(parents, slot[forks], positions[forks])
         else:
             slot, positions, history = self.slot[rows], self.positions[rows], self.history[rows]
-            row_seq = np.repeat(np.arange(len(alive)), counts)
         self.slot, self.history, self.positions, self.tokens, self.scores = slot, history, positions, tokens, scores
-        self.row_seq, self.counts = row_seq, counts
+        self.row_seq, self.counts = np.repeat(np.arange(len(alive)), counts), counts
         if leaving:
             self.seqs = [self.seqs[i] for i in alive.tolist()]
             self.beams, self.limits, self.held = self.beams[alive], self.limits[alive], self.held[alive]
@@ -271,9 +269,7 @@ class Batch:
 
     def _free_slots(self, n: int, taken: np.ndarray) -> np.ndarray:
         """The n lowest slots not in `taken`, growing the slots if there are too few."""
-        used = np.zeros(self.capacity + n, bool)
-        used[taken] = True
-        free = np.flatnonzero(~used)[:n]
+        free = lowest_free(taken, n, self.capacity)
         self._reserve(0, int(free.max()) + 1 if n else 0)
         return free
 
@@ -316,11 +312,7 @@ def decide(row_scores, top_log_probs, top_tokens, slot, counts, positions, limit
     """The rule's step (training.seq2seq.beam) over the batch's rows, whose top-k are read at their
     slots: (candidates' scores, rows, tokens; finishing, kept, done; each sequence's length after it)."""
     scores, rows, tokens = candidates_kernel(row_scores, top_log_probs[slot], top_tokens[slot], counts, k)
-    length = np.empty(len(counts), np.int64)
-    start = 0
-    for i in range(len(counts)):
-        length[i] = positions[start] + 1
-        start += counts[i]
+    length = positions[first_rows(counts)] + 1
     finishing, kept, done = select_kernel(scores, tokens == eos, length >= limits, beams, held)
     return scores, rows, tokens, finishing, kept, done, length
 
@@ -346,15 +338,14 @@ def children(rows, tokens, scores, kept, done):
 
 
 @numba.njit(cache=True, nogil=True)
-def next_rows(slot, positions, history, rows, tokens, counts, capacity: int):
+def next_rows(slot, positions, history, rows, tokens, capacity: int):
     """After a step, rows `rows` (old indices) go on, each its parent's child with its token in
-    `tokens` appended, as the beams of sequences of `counts` rows each: (their slots, positions,
-    history, sequence; the children that fork (fork_slots) and their parents' slots)."""
+    `tokens` appended: (their slots, positions, history; the children that fork (fork_slots) and
+    their parents' slots)."""
     parents, parent_positions = slot[rows], positions[rows]
     child_slot, forks = fork_slots(parents, capacity)
     history = extended_history(history, rows, parent_positions, tokens)
-    row_seq = np.repeat(np.arange(len(counts)), counts)
-    return child_slot, parent_positions + 1, history, row_seq, forks, parents[forks]
+    return child_slot, parent_positions + 1, history, forks, parents[forks]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -367,19 +358,29 @@ def fork_slots(parents: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarr
         if not kept[parents[i]]:
             kept[parents[i]] = first[i] = True
     slot, forks = parents.copy(), np.flatnonzero(~first)
-    free = 0
-    for i in forks:
-        while free < capacity and kept[free]:
-            free += 1
-        slot[i] = free
-        free += 1
+    slot[forks] = lowest_free(parents[first], len(forks), capacity)
     return slot, forks
+
+
+@numba.njit(cache=True, nogil=True)
+def lowest_free(taken: np.ndarray, n: int, capacity: int) -> np.ndarray:
+    """The n lowest slots not in `taken` (slots below `capacity`), counting on past `capacity` where
+    too few are free below it."""
+    used = np.zeros(capacity, np.bool_)
+    used[taken] = True
+    free, slot = np.empty(n, np.int64), 0
+    for i in range(n):
+        while slot < capacity and used[slot]:
+            slot += 1
+        free[i] = slot
+        slot += 1
+    return free
 
 
 @numba.njit(cache=True, nogil=True)
 def copy_columns(kv: np.ndarray, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
     """kv (planes, slots, H, width, d_h): slot targets[i] <- slot sources[i], first columns[i] columns;
-    one contiguous block per plane and head (a NumPy strided copy of the 5-D view costs twice this)."""
+    one contiguous block per plane and head (NumPy copies the 5-D view's strided slices more slowly)."""
     for i in range(len(sources)):
         n = columns[i]
         for plane in range(kv.shape[0]):

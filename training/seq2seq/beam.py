@@ -71,6 +71,7 @@ def force_prefix(log_probs: torch.Tensor, rows, token: int) -> None:
     log_probs[rows, token] = 0.0
 
 
+@numba.njit(cache=True, nogil=True)  # also inside the engine's compiled step (server.engine.batch.decide)
 def first_rows(counts: np.ndarray) -> np.ndarray:
     """Where each group of consecutive rows starts, given the groups' sizes."""
     return np.cumsum(counts) - counts

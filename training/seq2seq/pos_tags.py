@@ -185,7 +185,7 @@ def _best_path(transitions, offsets, tags, scores, start, end, n):
     floor = -1e6
     row, row_lp = np.full(1, start), np.zeros(1)
     where = np.full(n * n, -1)  # a state's place in the row being built
-    back_states, back_parents = [row], [row]
+    back_states, back_parents = [row], [row]  # word w's at w + 1 (the start gives the lists their type)
     for w in range(len(offsets) - 1):
         bound = np.sort(row_lp)[len(row) - 6] - 1 if len(row) > 5 else floor
         size = len(row) * (offsets[w + 1] - offsets[w])
