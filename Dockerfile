@@ -89,8 +89,9 @@ ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
     NUMBA_CACHE_DIR=/tmp/numba-cache
 # Numba's compiled beam search needs a writable cache directory even to start (a function cached
 # nowhere fails at import), and the root filesystem may be read-only (deploy/k8s): /tmp is writable
-# wherever the image runs. A container's first decode in each process compiles the search (seconds);
-# later processes of the same container load it from there.
+# wherever the image runs. Each engine process decodes a made-up text before it reports ready
+# (server.engine.engine.warm_up): in a new container that compiles the search (seconds, before the
+# readiness probe passes, never in a client's call); later processes load it from there.
 
 # A fixed numeric id, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 RUN groupadd --gid 10001 gret \

@@ -31,7 +31,7 @@ from .diagnostics import gret_diagnostics
 from .documents import Layout, segment, whole
 from .markup import HtmlLayout, segment_html
 from .unknowns import Alphabet, Protected, protect, restore
-from .engine.engine import Engine, Observer, Replicas
+from .engine.engine import Engine, Observer, Replicas, warm_up
 from .engine.options import DecodingOptions, Limits, OptionError
 from .engine.result_cache import ResultCache
 from .engine.scheduler import Scheduler
@@ -99,6 +99,11 @@ class Pipeline:
         self.summarize = entry.task == "summarize"
         self.alphabet = Alphabet(entry.sp)
         self._tagger = None
+        if entry.cfg.pos_tags:  # POS models only: the taggers load slowly
+            from training.seq2seq.pos_tags import get_tagger
+
+            self._tagger = get_tagger(entry.source_language)
+            self._tags("Warm-up.", entry.sp.encode("Warm-up.") + [EOS])  # compiles its search now, not in a call
         self._torch_model = None  # loaded on the first diagnostics request
         self._torch_lock = threading.Lock()
 
@@ -210,11 +215,9 @@ class Pipeline:
         return Sequence(src, options, limit, on_done, tags=tags, deadline=deadline)
 
     def _tags(self, text: str, src: list[int]) -> list[int]:
-        from training.seq2seq.inputs import align_tags  # POS models only: the taggers load slowly
-        from training.seq2seq.pos_tags import get_tagger, subword_tags
+        from training.seq2seq.inputs import align_tags
+        from training.seq2seq.pos_tags import subword_tags
 
-        if self._tagger is None:
-            self._tagger = get_tagger(self.entry.source_language)
         return align_tags([subword_tags(text, self.entry.source_language, self.entry.sp, self._tagger)], [src])[0]
 
     # ---- GRET diagnostics -------------------------------------------------------------------
@@ -317,6 +320,7 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
         engines = [Ct2Engine(model, entry.version, Scheduler("request", max_batch_tokens, queue, call_share), cache,
                              observer, entry.name, results) for _ in range(workers)]
     else:
+        warm_up(model)
         cache = EncoderCache(cache_bytes)
         engines = [Engine(model, entry.version, Scheduler(policy, max_batch_tokens, queue, call_share), cache,
                           observer, entry.name, results) for _ in range(workers)]

@@ -9,8 +9,11 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -277,3 +280,46 @@ def test_auto_precision_is_int8_only_where_the_build_verified_the_int8_graphs(se
         (repo / VERIFY_FILE).write_text(json.dumps({"verified": True, "int8": {"verified": verified}}))
         assert resolve_precision(from_repository(repo, "onnx"), "auto") == chosen
     assert resolve_precision(from_repository(repo, "onnx"), "fp32") == "fp32"
+
+
+FIRST_CALLS = """
+import json, sys
+from pathlib import Path
+from numba.core.registry import CPUDispatcher
+import server.engine.batch, training.seq2seq.beam, training.seq2seq.pos_tags
+from server.catalog import load_entry
+from server.engine.options import DecodingOptions
+from server.pipeline import build_pipeline
+
+def compiled():
+    modules = (server.engine.batch, training.seq2seq.beam, training.seq2seq.pos_tags)
+    return {f"{m.__name__}.{n}": len(f.signatures) for m in modules for n, f in vars(m).items()
+            if isinstance(f, CPUDispatcher)}
+
+pipeline = build_pipeline(load_entry(Path(sys.argv[1]), "onnx", Path(sys.argv[2])), "onnx")
+at_start = compiled()
+texts = sys.argv[3:]
+for options in (DecodingOptions(), DecodingOptions(beam=1), DecodingOptions(beam=6, n_best=3, return_scores=True),
+                DecodingOptions(min_length=3, no_repeat_ngram=2)):
+    pipeline.decode(texts, options)
+pipeline.decode(texts[:1], DecodingOptions(), prefixes=["Ein"])
+print(json.dumps([at_start, compiled()]))
+"""
+
+
+def test_a_model_is_compiled_and_run_once_before_it_serves_so_no_call_waits_for_the_compiler(served_models,
+                                                                                             build_cache):
+    """A process's first decode compiles the beam search (Numba) and, for a POS model, the tagger's
+    search: seconds, which the first client would wait. build_pipeline (and each worker process,
+    before it says it is ready) decodes a made-up text first; after that, calls with any options
+    compile nothing new. In a fresh interpreter, where nothing was compiled before."""
+    texts = [e.source for e in load_examples("multi30k", "val", "de", "en")[:6]]
+    out = subprocess.run([sys.executable, "-c", FIRST_CALLS, str(served_models / "tiny-de-en"), str(build_cache),
+                          *texts], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    at_start, after_calls = json.loads(out.stdout.strip().splitlines()[-1])
+    for kernel in ("server.engine.batch.decide", "server.engine.batch.next_rows", "server.engine.batch.copy_columns",
+                   "training.seq2seq.pos_tags._best_path"):
+        assert at_start[kernel] >= 1, kernel
+    assert after_calls == at_start

@@ -25,6 +25,7 @@ import torch
 
 from .batch import Batch
 from .encoder_cache import EncoderCache, EncoderState, cache_key, encode_cached
+from .options import DecodingOptions
 from .result_cache import ResultCache, result_key
 from .scheduler import QueueFull, Scheduler
 from .sequence import CANCELLED, DEADLINE, FAILED, OK, UNAVAILABLE, Sequence
@@ -265,6 +266,23 @@ class Engine:
         self.batch = Batch(self.batch.cfg, self.batch.n_heads, self.batch.d_head, self.batch.device)
         for seq in seqs:
             seq.finish(status, message, self.observer.finished)
+
+
+def warm_up(backend) -> None:
+    """Decode one made-up text on a throwaway engine over `backend` (no caches, no observer), so
+    that a process pays its first decode's costs before it serves, not in a client's first call:
+    Numba compiles the beam search's kernels on their first call (about ten seconds; a fraction
+    of one where its on-disk cache holds them) and ONNX Runtime sizes its memory on its first runs.
+    One text covers every kernel: the argument types do not change with the options or the load.
+    A model that cannot decode it fails here, at start."""
+    cfg = backend.cfg
+    src = [4 + i % max(1, cfg.vocab_size - 4) for i in range(8)] + [cfg.eos_id]  # ids past the special ones
+    seq = Sequence(src, DecodingOptions(), 6, lambda s: None, tags=[0] * len(src) if cfg.pos_tags else None)
+    engine = Engine(backend, "warm-up", Scheduler(), name="warm-up")
+    engine.enqueue([seq])
+    engine.run_until_idle()
+    if seq.status != OK:
+        raise RuntimeError(f"the warm-up decode failed: {seq.message}")
 
 
 def split_cached(results: ResultCache, version: str, seqs: list[Sequence]

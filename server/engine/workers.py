@@ -473,7 +473,7 @@ def serve(spec: WorkerSpec, conn) -> None:
     from .encoder_cache import EncoderCache
 
     from ..pipeline import make_backend
-    from .engine import Engine
+    from .engine import Engine, warm_up
     from .scheduler import Scheduler
 
     torch.set_num_threads(1)  # torch only does the engine's bookkeeping (server/__main__.py)
@@ -498,7 +498,9 @@ def serve(spec: WorkerSpec, conn) -> None:
         return kind != "stop"
 
     reporter = Reporter(conn)
-    engine = Engine(make_backend(spec, spec.backend, spec.precision, spec.threads), spec.version,
+    backend = make_backend(spec, spec.backend, spec.precision, spec.threads)
+    warm_up(backend)  # before "ready": the first call sent here must not wait for the compiler
+    engine = Engine(backend, spec.version,
                     Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share),
                     EncoderCache(spec.cache_bytes),
                     reporter, spec.name)
