@@ -72,9 +72,13 @@ WORKDIR /app
 # read-only root filesystem costs nothing at start-up.
 RUN /opt/venv/bin/python -c "import torch, onnxruntime, ctranslate2, grpc, training.seq2seq.model, export, kernels, server" \
  && /opt/venv/bin/python -m compileall -q /app
+# Preparing the models decodes (each build is checked), which compiles the beam search: into /tmp,
+# which the final stage does not copy (the server keeps its own cache there at run time; one left
+# in /app would ship unused).
 RUN --mount=type=bind,from=data,target=/shared-data \
     if [[ "$PREPARE_MODELS" == 1 ]]; then \
-        SHARED_DATA=/shared-data /opt/venv/bin/python -m server --prepare-only --models-dir /app/models; \
+        NUMBA_CACHE_DIR=/tmp/numba-cache SHARED_DATA=/shared-data \
+            /opt/venv/bin/python -m server --prepare-only --models-dir /app/models; \
     fi
 
 FROM ${BASE_IMAGE}

@@ -271,8 +271,8 @@ class Engine:
 def warm_up(backend) -> None:
     """Decode one made-up text on a throwaway engine over `backend` (no caches, no observer), so
     that a process pays its first decode's costs before it serves, not in a client's first call:
-    Numba compiles the beam search's kernels on their first call (about ten seconds; a fraction
-    of one where its on-disk cache holds them) and ONNX Runtime sizes its memory on its first runs.
+    Numba compiles the beam search's kernels on their first call (seconds; far less where its
+    on-disk cache holds them) and ONNX Runtime sizes its memory on its first runs.
     One text covers every kernel: the argument types do not change with the options or the load.
     A model that cannot decode it fails here, at start."""
     cfg = backend.cfg
