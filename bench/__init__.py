@@ -9,6 +9,7 @@
     python -m bench http [--quick]     the HTTP/JSON front end against gRPC on one server, same load
     python -m bench segmenters|unknowns|documents|summaries   issue 19's measurements (docs/DOCUMENTS.md)
     python -m bench memory [--quick]   peak memory of the server with every shipped model under load
+    python -m bench startup            a new server's seconds to SERVING and its first calls' latency
     python -m bench report             BENCHMARKS.md from bench-*.json
     python -m bench.soak               the 10-minute soak at ~70% of saturation
 

@@ -1,4 +1,4 @@
-"""python -m bench engine|server|speed|step|replicas|http|memory|report [options]: see bench/__init__.py."""
+"""python -m bench engine|server|speed|step|replicas|http|memory|startup|report [options]: see bench/__init__.py."""
 from __future__ import annotations
 
 import importlib
@@ -7,7 +7,8 @@ import sys
 COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.speed",
             "replicas": "bench.replicas", "http": "bench.http", "report": "bench.report",
             "segmenters": "bench.segmenters", "unknowns": "bench.unknowns", "documents": "bench.documents",
-            "summaries": "bench.summaries", "memory": "bench.memory", "step": "bench.step"}
+            "summaries": "bench.summaries", "memory": "bench.memory", "step": "bench.step",
+            "startup": "bench.startup"}
 
 
 def main(argv=None) -> int:

@@ -197,3 +197,15 @@ def test_the_grpc_floor_answers_the_closed_loop_and_measures_cpu_per_call(tmp_pa
     assert point["latency_ms"]["p50"] >= 100  # the pause that spreads the calls out, as the server's are
     assert set(point["ms_per_text"]) == {"client", "server parent"}
     assert all(ms > 0 for ms in point["ms_per_text"].values())
+
+
+def test_the_startup_benchmark_starts_a_server_on_an_empty_and_on_a_filled_compiler_cache(served_models, tmp_path):
+    results = tmp_path / "results"
+    assert bench_main(["startup", "--models-dir", str(served_models), "--models", "tiny-de-en", "--calls", "2",
+                       "--build-cache", str(tmp_path / "build"), "--out-dir", str(results)]) == 0
+    result = json.loads((results / "bench-startup.json").read_text())
+    assert result["commit"] and result["settings"] == {"beam": 4, "calls": 2}
+    starts = result["models"]["tiny-de-en"]
+    assert list(starts) == ["empty cache", "filled cache"]
+    for start in starts.values():
+        assert start["serving_s"] > 0 and len(start["calls_ms"]) == 2 and all(ms > 0 for ms in start["calls_ms"])
