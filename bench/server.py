@@ -165,9 +165,14 @@ def server_flags(args, policy: str, encoder_cache: bool = False, result_cache: b
 
 def prepare(args) -> None:
     """Export + verify once, before the five servers start (they would all export at the same time)."""
-    flags = server_flags(args, "continuous")
+    prepare_models(server_flags(args, "continuous"), server_env(args))
+
+
+def prepare_models(flags: list[str], env: dict | None = None) -> None:
+    """`python -m server --prepare-only` with these flags: the models exported and verified as a start
+    would, so that no timed start includes it."""
     done = subprocess.run([sys.executable, "-m", "server", "--prepare-only", *flags], check=False, cwd=PROJECT_ROOT,
-                          capture_output=True, text=True, env=os.environ | server_env(args))
+                          capture_output=True, text=True, env=os.environ | (env or {}))
     if done.returncode:
         raise RuntimeError(f"python -m server --prepare-only failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 

@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import grpc
 
 from bench import results_dir
 from bench.engine import _commit, _versions
-from bench.server import ServerProcess, call
+from bench.server import ServerProcess, call, prepare_models
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.catalog import load_entry
 from training.corpora import PROJECT_ROOT, load_examples
@@ -82,10 +81,7 @@ def main(argv=None) -> int:
     models = {}
     for model in args.models:
         flags = ["--models-dir", str(args.models_dir), "--models", model, *build]
-        prepared = subprocess.run([sys.executable, "-m", "server", "--prepare-only", *flags], cwd=PROJECT_ROOT,
-                                  capture_output=True, text=True)  # exported and verified as a start would
-        if prepared.returncode:
-            raise RuntimeError(f"python -m server --prepare-only failed:\n{prepared.stderr[-3000:]}")
+        prepare_models(flags)
         entry = load_entry(args.models_dir / model, "onnx", args.build_cache)  # the prepared repository
         texts = texts_in(entry.source_language, args.calls)
         serve = [*flags, "--metrics-port", "0", "--http-port", "0", "--cache-mb", "0", "--result-cache", "0"]
