@@ -22,12 +22,8 @@ the PyTorch reference, resident memory. Writes bench-engine.json and a bar chart
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -37,6 +33,7 @@ import psutil
 import torch
 
 from bench import add_publish, results_dir
+from bench.provenance import Run
 from export.ct2_runtime import Ct2Translator, max_lengths
 from export.manifest import sha256
 from export.repository import write_repository
@@ -318,22 +315,17 @@ def main(argv=None) -> int:
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     batches = [[ids[i] for i in order[k: k + args.batch]] for k in range(0, len(order), args.batch)]
     options = DecodingOptions(beam=args.beam)
-    load_start = os.getloadavg()
+    record = Run("bench engine", argv)
     with tempfile.TemporaryDirectory() as tmp:
         build = args.build_dir or Path(tmp)
         systems, memory = build_systems(args.checkpoint, args.gret_checkpoint, build, args.threads, options, args.quick)
         outputs, seconds, peak = run(systems, batches)
     figures = summarise(systems, memory, outputs, seconds, peak, batches, order, sp, [e.refs for e in examples])
     result = {
-        "command": "python -m bench engine " + " ".join(argv or []),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        **record.header(),
         "settings": {"checkpoint": str(args.checkpoint), "gret_checkpoint": str(args.gret_checkpoint or ""),
                      "split": args.split, "sentences": len(ids), "batch": args.batch, "beam": args.beam,
                      "threads": args.threads, "quick": args.quick, "top_k_phase": TOP_K_PHASE},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg()},
-        "versions": _versions(),
         "systems": figures,
         "targets": targets(figures),
     }
@@ -350,19 +342,3 @@ def main(argv=None) -> int:
               f"{f['speed_vs_' + (BASELINE if BASELINE in figures else REFERENCE)]['median']:.2f}  {shares}")
     print(json.dumps(result["targets"], indent=2))
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=PROJECT_ROOT).stdout.strip()
-    except OSError:
-        return ""
-
-
-def _versions() -> dict:
-    import ctranslate2
-    import onnxruntime
-
-    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "ctranslate2": ctranslate2.__version__,
-            "python": platform.python_version()}

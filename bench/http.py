@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import random
 import re
 import statistics
@@ -26,6 +25,7 @@ import grpc
 from google.protobuf import json_format
 
 from bench import add_publish, results_dir
+from bench.provenance import Run
 from bench.server import FULL, GREEDY, QUICK, ServerProcess, closed_loop, free_port, prepare, server_env, server_flags
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
@@ -121,16 +121,15 @@ def main(argv=None) -> int:
     random.Random(0).shuffle(texts)
     prepare(args)
     http_port = free_port()
-    load_start = os.getloadavg()
+    record = Run("bench http", argv)
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         flags = server_flags(args, "continuous") + ["--http-port", str(http_port)]
         server = ServerProcess("http", flags, Path(logs), server_env(args))
         stack.callback(server.stop)
         server.wait_serving(timeout=300)
         points = asyncio.run(measure(server, http_port, args.model, texts, plan))
-    result = {"benchmark": "http", "model": args.model, "threads": args.threads, "plan": dataclasses.asdict(plan),
-              "load_average": {"start": round(load_start[0], 2), "end": round(os.getloadavg()[0], 2)},
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "points": points, "http_over_grpc": ratios(points),
+    result = {**record.header(), "model": args.model, "threads": args.threads, "plan": dataclasses.asdict(plan),
+              "points": points, "http_over_grpc": ratios(points),
               "target": TARGET}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "bench-http.json").write_text(json.dumps(result, indent=1))

@@ -32,11 +32,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import datetime
 import json
-import os
-import platform
-import shlex
 import sys
 import tempfile
 import threading
@@ -48,7 +44,8 @@ import psutil
 import yaml
 
 from bench import add_publish, results_dir
-from bench.server import ServerProcess, free_port, git_commit, scrape, versions
+from bench.provenance import Run
+from bench.server import ServerProcess, free_port, scrape
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from training.corpora import PROJECT_ROOT, load_examples
@@ -310,7 +307,8 @@ def main(argv=None) -> int:
     add_publish(p)
     args = p.parse_args(argv)
     args.out_dir = args.out_dir or results_dir(args.publish)
-    started, load_start = time.monotonic(), os.getloadavg()
+    started = time.monotonic()
+    record = Run("bench memory", argv, "shared machine" + (f"; {args.note}" if args.note else ""))
     settings = {"defaults": ["--models-dir", str(args.models_dir)], "pod": pod_flags(args.models_dir),
                 "pod-threads": [*(a for a in pod_flags(args.models_dir)
                                   if not a.startswith(("--replicas", "--workers"))), "--replicas=thread"]}
@@ -321,14 +319,7 @@ def main(argv=None) -> int:
         print(f"{name}: peak RSS {measured[name]['peak_rss_mib']} MiB, PSS {measured[name]['peak_pss_mib']} MiB "
               f"in {measured[name]['processes_at_peak']} processes", flush=True)
     result = {
-        "command": "python -m bench memory " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": git_commit(),
-        "machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-                    "platform": platform.platform(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg(),
-                    "note": "shared machine" + (f"; {args.note}" if args.note else "")},
-        "versions": versions(),
+        **record.header(),
         "quick": args.quick,
         "pod_limit": {"memory": limit_text, "mib": limit / 2**20},
         "settings": measured,

@@ -39,11 +39,9 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import datetime
 import itertools
 import json
 import os
-import platform
 import random
 import shlex
 import signal
@@ -63,6 +61,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import add_publish, results_dir
+from bench.provenance import Run
 from proto import gret_serve_pb2 as pb
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.client import Client
@@ -662,7 +661,8 @@ def backlog_texts(plan: Backlog, servers: int, seed: int) -> dict:
 
 def run_backlog(args) -> int:
     plan = BACKLOG_QUICK if args.quick else BACKLOG
-    started, load_start = time.monotonic(), os.getloadavg()
+    started = time.monotonic()
+    record = Run("bench server", args.argv, "shared machine: nothing paused" + (f"; {args.note}" if args.note else ""))
     settings = {"defaults": [], **{" ".join(c): c for c in map(shlex.split, args.compare)}}
     texts = backlog_texts(plan, len(settings), args.seed)
     base = ["--models-dir", str(args.models_dir), "--models", args.model, "--http-port", "0"] + \
@@ -686,18 +686,12 @@ def run_backlog(args) -> int:
     judged = measured["defaults"]["all_rounds"]
     p99 = judged["latency_ms"]["p99"]
     result = {
-        "command": "python -m bench server " + shlex.join(args.argv),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": git_commit(),
+        **record.header(),
         "settings": {"model": args.model, "model_version": info.version, "architecture": info.architecture,
                      "backend": f"{info.backend} {info.precision}", "quick": args.quick,
                      "seed": args.seed, "plan": dataclasses.asdict(plan), "options": "the server's defaults (beam 4)",
                      "texts": "The backlog's texts come from Multi30K train (de), the one-text calls' from val and "
                               "the test sets (de), each sent once", "call_timeout_s": CALL_TIMEOUT},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg(),
-                    "note": "shared machine: nothing paused" + (f"; {args.note}" if args.note else "")},
-        "versions": versions(),
         "servers": measured,
         "targets": {"one_text_p99_ms_behind_backlog": {
             "target": BACKLOG_TARGET_P99_MS, "measured": p99, "lower_is_better": True,
@@ -754,7 +748,8 @@ def main(argv=None) -> int:
     args.engine_results = args.engine_results or args.out_dir / "bench-engine.json"
     plan = QUICK if args.quick else FULL
     started = time.monotonic()
-    load_start = os.getloadavg()
+    record = Run("bench server", args.argv,
+              "shared machine: compare within this run only" + (f"; {args.note}" if args.note else ""))
 
     texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", "de", "en")]
     random.Random(args.seed).shuffle(texts)
@@ -785,9 +780,7 @@ def main(argv=None) -> int:
                            "rounds": points},
             "open_loop": measured["curves"][name]}
     result = {
-        "command": "python -m bench server " + shlex.join(args.argv),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": git_commit(),
+        **record.header(),
         "settings": {"model": args.model, "model_version": info.version, "architecture": info.architecture,
                      "backend": f"{info.backend} {info.precision}", "threads": args.threads, "beam": args.beam,
                      "split": "multi30k test_2016_flickr (de)", "texts_per_call": 1, "quick": args.quick,
@@ -796,10 +789,6 @@ def main(argv=None) -> int:
                      "(--cache-mb 0 --result-cache 0); the encoder cache (256 MB) alone on the cache server; "
                      "both (the defaults) on the results server",
                      "target_tokens": "the best hypothesis's output pieces, end of sentence excluded"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg(),
-                    "note": "shared machine: compare within this run only" + (f"; {args.note}" if args.note else "")},
-        "versions": versions(),
         "offline": {"texts_per_s": sat["offline"],
                     "target_tokens_per_s": median(measured["saturation"]["offline"], "target_tokens_per_s"),
                     "rounds": measured["saturation"]["offline"]},
@@ -817,27 +806,3 @@ def main(argv=None) -> int:
         print(f"{name:32s} measured {t['measured']:7.3f}  target {t['target']}  {'met' if t['met'] else 'NOT met'}")
     print(f"wrote {args.out_dir / 'bench-server.json'} in {result['wall_seconds']:.0f} s")
     return 0
-
-
-def git_commit() -> str:
-    def git(*a):
-        return subprocess.run(["git", *a], check=False, capture_output=True, text=True, cwd=PROJECT_ROOT).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        # results being written (docs/results, runs/) are not changes to what is measured
-        changed = git("status", "--porcelain", "--", ".", ":!docs/results", ":!runs")
-        return commit + (" (with uncommitted changes)" if changed else "")
-    except OSError:
-        return ""
-
-
-def versions() -> dict:
-    import google.protobuf
-    import matplotlib
-    import onnxruntime
-    import torch
-
-    return {"grpcio": grpc.__version__, "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,
-            "numpy": np.__version__, "protobuf": google.protobuf.__version__, "matplotlib": matplotlib.__version__,
-            "python": platform.python_version()}

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import itertools
 import json
 import os
-import platform
 import random
-import shlex
 import sys
 import tempfile
 import time
@@ -34,7 +31,8 @@ import grpc
 import numpy as np
 
 from bench import add_publish, pages_dir, results_dir
-from bench.server import Call, ServerProcess, call, git_commit, server_env
+from bench.provenance import Run
+from bench.server import Call, ServerProcess, call, server_env
 from proto import gret_serve_pb2_grpc as pb_grpc
 from training.corpora import PROJECT_ROOT, load_examples
 
@@ -134,6 +132,7 @@ def verdicts(minutes: list[dict], calls: list[Call]) -> dict:
 
 
 async def run(args) -> dict:
+    record = Run("bench.soak", args.argv, args.note)  # the note stands in the report, not the command
     texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", "de", "en")]
     flags = ["--models-dir", str(args.models_dir), "--models", args.model, "--metrics-port", "0", "--http-port", "0",
              "--threads",
@@ -163,11 +162,7 @@ async def run(args) -> dict:
     minutes = per_minute(calls, samples, begin, args.minutes)
     ok = [c.seconds * 1e3 for c in calls if c.code == "OK"]
     return {
-        "command": shlex.join(["python", "-m", "bench.soak", *args.argv]),  # the note stands in the report
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
-        "note": args.note,
+        **record.header(),
         "setup": {"model": args.model, "threads": args.threads, "options": OPTIONS, "encoder_cache": "off",
                   "texts": "Multi30K test_2016_flickr (de), one per call", "load": args.load},
         "ramp": ramp, "saturation_calls_per_s": saturation, "offered_calls_per_s": round(rate, 3),
@@ -195,9 +190,9 @@ def report(result: dict) -> str:
         f"A closed-loop ramp found the saturation throughput; then Poisson arrivals at {s['load']:.0%} of it "
         f"for {len(result['minutes'])} minutes.", "",
     ]
-    if result["note"]:
-        lines += [f"**Machine:** {result['note']} ({result['machine']['cpus']} CPUs; load average per minute "
-                  f"below).", ""]
+    machine = result["machine"]
+    if machine["note"]:
+        lines += [f"**Machine:** {machine['note']} ({machine['cpus']} CPUs; load average per minute below).", ""]
     lines += ["## Verdict", "", "| criterion | measured | target | met |", "|---|---|---|---|"]
     lines += [f"| {name.replace('_', ' ')} | {v['measured']} | {v['target']} | {'yes' if v['met'] else 'NO'} |"
               for name, v in t.items()]

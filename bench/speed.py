@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,7 +43,8 @@ import numpy as np
 import psutil
 
 from bench import add_publish, results_dir
-from bench.engine import CTranslate2, _commit, _versions, export
+from bench.engine import CTranslate2, export
+from bench.provenance import Run
 from bench.server import FULL, Plan, ServerProcess, call, closed_loop, free_port, scrape, total
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.config import ServerConfig
@@ -332,13 +331,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log_dir = PROJECT_ROOT / "runs" / "bench" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
+    record = Run("bench speed", argv, args.note)
     measured = measure(args, log_dir)
-    payload = {"command": "python -m bench speed " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "commit": _commit(), "versions": _versions(),
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
-                           "load_average_end": os.getloadavg(), "note": args.note},
+    payload = {**record.header(),
                "settings": {"model": args.model, "gret": args.gret, "beam": BEAM, "callers": CALLERS,
                             "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup,
                             "ct2_batch": CT2_BATCH, "ct2_texts": args.ct2_texts, "sweep": SWEEP,

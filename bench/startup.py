@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -26,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from bench import results_dir
-from bench.engine import _commit, _versions
+from bench.provenance import Run
 from bench.server import ServerProcess, call, prepare_models
 from proto import gret_serve_pb2_grpc as pb_grpc
 from server.catalog import load_entry
@@ -74,6 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--build-cache", type=Path, help="the servers' build cache (default: theirs)")
     p.add_argument("--out-dir", type=Path, help="default: runs/bench")
     args = p.parse_args(argv)
+    record = Run("bench startup", argv)
     out = args.out_dir or results_dir(False)
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -90,10 +88,7 @@ def main(argv=None) -> int:
                                            f"startup-{model}-{label.split()[0]}")
                              for label in STARTS}  # in order: the first start fills the cache
         print(model, json.dumps(models[model]))
-    payload = {"command": "python -m bench startup " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "commit": _commit(), "versions": _versions(),
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
+    payload = {**record.header(),
                "settings": {"beam": BEAM, "calls": args.calls}, "models": models}
     (out / "bench-startup.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(out / "bench-startup.json")

@@ -29,10 +29,7 @@ and its cost per row (the slope). Writes bench-step.json and bench-step.png into
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -42,7 +39,8 @@ import onnxruntime as ort
 import torch
 
 from bench import add_publish, results_dir
-from bench.engine import _commit, _versions, export
+from bench.engine import export
+from bench.provenance import Run
 from export.onnx_runtime import OnnxModel
 from server.engine.engine import PHASES, Engine, Observer
 from server.engine.options import DecodingOptions, Limits
@@ -293,7 +291,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.preset, args.vocab, args.rows, args.reps, args.in_flight, args.texts = "tiny", 64, [1, 8], 3, [1, 4], 8
     torch.set_num_threads(1)  # as the server's engine loops run
-    load_start = os.getloadavg()
+    record = Run("bench step", argv, args.note)
     spm = (args.checkpoints[0] / SPM).read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         build = args.build_dir or Path(tmp)
@@ -305,15 +303,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(graph, engine, out.with_suffix(".png"))
     result = {
-        "command": "python -m bench step " + " ".join(argv or []),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        **record.header(),
         "settings": {"preset": args.preset, "vocab": args.vocab, "beam": BEAM, "source": SOURCE, "width": WIDTH,
                      "reps": args.reps, "evict_mb": EVICT_BYTES >> 20, "checkpoints": [str(c) for c in args.checkpoints],
                      "quick": args.quick},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg(), "note": args.note},
-        "versions": _versions(),
         "graph": graph,
         "engine": engine,
         "ops": ops,

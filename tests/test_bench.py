@@ -9,8 +9,19 @@ import pytest
 
 from bench.__main__ import main as bench_main
 from bench.memory import pod_flags
+from bench.provenance import Run
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_benchmark_record_opens_with_where_its_numbers_come_from():
+    header = Run("bench speed", ["--quick", "--note", "training paused"], "training paused").header()
+    assert header["command"] == "python -m bench speed --quick --note 'training paused'"  # shell-quoted: it reruns
+    assert header["commit"] and header["date"].endswith(" UTC")
+    assert {"python", "torch", "onnxruntime", "ctranslate2", "grpcio"} <= set(header["versions"])
+    machine = header["machine"]
+    assert machine["cpus"] >= machine["usable_cpus"] >= 1 and machine["note"] == "training paused"
+    assert len(machine["load_average_start"]) == len(machine["load_average_end"]) == 3
 
 
 def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(served_models, tmp_path):

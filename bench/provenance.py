@@ -1,0 +1,59 @@
+"""Where a benchmark's numbers come from: the command that made them, when, from which code, with
+which packages, on what machine and under what load. Every benchmark's JSON opens with it in this one
+shape, and `bench.report` prints it above each table (report.provenance)."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+from training.corpora import PROJECT_ROOT
+
+
+class Run:
+    """Made when a benchmark starts (the load average then), read when it writes its JSON."""
+
+    def __init__(self, module: str, argv: list[str] | None, note: str = ""):
+        """module: what follows `python -m` ("bench speed", "bench.soak"); argv: the benchmark's own
+        arguments (None: this process's)."""
+        self.command = shlex.join(["python", "-m", *module.split(), *(sys.argv[1:] if argv is None else argv)])
+        self.note, self.load_start = note, os.getloadavg()
+
+    def header(self) -> dict:
+        return {"command": self.command,
+                "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                "commit": git_commit(),
+                "versions": versions(),
+                "machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+                            "platform": platform.platform(), "load_average_start": list(self.load_start),
+                            "load_average_end": list(os.getloadavg()), "note": self.note}}
+
+
+def git_commit() -> str:
+    """The short commit, marked when the tree differs from it (results being written, docs/results
+    and runs/, are not changes to what is measured)."""
+    def git(*a):
+        return subprocess.run(["git", *a], check=False, capture_output=True, text=True, cwd=PROJECT_ROOT).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--", ".", ":!docs/results", ":!runs")
+        return commit + (" (with uncommitted changes)" if changed else "")
+    except OSError:
+        return ""
+
+
+def versions() -> dict:
+    import ctranslate2
+    import google.protobuf
+    import grpc
+    import numpy
+    import onnxruntime
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "ctranslate2": ctranslate2.__version__, "grpcio": grpc.__version__, "numpy": numpy.__version__,
+            "protobuf": google.protobuf.__version__}
