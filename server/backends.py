@@ -47,10 +47,12 @@ class TorchBackend:
 
 
 class OnnxBackend(OnnxModel):
-    """export.onnx_runtime.OnnxModel already has the interface."""
+    """export.onnx_runtime.OnnxModel already has the interface. Always on the CPU provider: the engine
+    keeps its cache and encoder slots in host memory (server.engine.batch), and OnnxModel's own default
+    (CUDA wherever onnxruntime-gpu and torch see a GPU) would refuse that cache at every step."""
 
     def __init__(self, repository: Path, precision: str = "fp32", threads: int = 1):
-        super().__init__(repository, precision=precision, threads=threads)
+        super().__init__(repository, precision=precision, device="cpu", threads=threads)
         for graph in (self.encoder, self.decoder):
             check_signature(graph, Path(repository))
 

@@ -179,6 +179,19 @@ def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_byte
         onnx_model.step(torch.full((2,), model.cfg.bos_id), zeros, zeros, onnx_model.encode(src), cache)
 
 
+def test_the_servers_backend_stays_on_the_cpu_where_onnx_runtime_could_take_a_gpu(tmp_path, spm_bytes, monkeypatch):
+    """The engine's cache lives in host memory: on a GPU machine (onnxruntime-gpu and a CUDA torch,
+    as deploy's cuda image has them) OnnxModel would default to CUDA and refuse that cache at every
+    step. This machine has no GPU, so the probe is made to say there is one."""
+    import export.onnx_runtime as onnx_runtime
+    from server.backends import OnnxBackend
+
+    export_tiny("vanilla", tmp_path, spm_bytes)
+    monkeypatch.setattr(onnx_runtime, "default_device", lambda: "cuda")
+    backend = OnnxBackend(tmp_path / "repo")
+    assert backend.device.type == "cpu" and backend.decoder.session.get_providers() == ["CPUExecutionProvider"]
+
+
 def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path, spm_bytes):
     """The beam search's candidates are chosen inside the decoder graph: each row's top_k best
     log-probabilities and tokens, best first, exactly what TopK over the step's log_probs gives
