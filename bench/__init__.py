@@ -10,6 +10,7 @@
     python -m bench segmenters|unknowns|documents|summaries   issue 19's measurements (docs/DOCUMENTS.md)
     python -m bench memory [--quick]   peak memory of the server with every shipped model under load
     python -m bench startup            a new server's seconds to SERVING and its first calls' latency
+    python -m bench gpu                the engine on a CUDA device against the CPU: same outputs, texts/s
     python -m bench report             BENCHMARKS.md from bench-*.json
     python -m bench.soak               the 10-minute soak at ~70% of saturation
 

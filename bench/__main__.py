@@ -1,4 +1,4 @@
-"""python -m bench engine|server|speed|step|replicas|http|memory|startup|report [options]: see bench/__init__.py."""
+"""python -m bench engine|server|speed|step|replicas|http|memory|startup|gpu|report [options]: see bench/__init__.py."""
 from __future__ import annotations
 
 import importlib
@@ -8,7 +8,7 @@ COMMANDS = {"engine": "bench.engine", "server": "bench.server", "speed": "bench.
             "replicas": "bench.replicas", "http": "bench.http", "report": "bench.report",
             "segmenters": "bench.segmenters", "unknowns": "bench.unknowns", "documents": "bench.documents",
             "summaries": "bench.summaries", "memory": "bench.memory", "step": "bench.step",
-            "startup": "bench.startup"}
+            "startup": "bench.startup", "gpu": "bench.gpu"}
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ shape, and `bench.report` prints it above each table (report.provenance)."""
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import platform
 import shlex
@@ -46,14 +47,18 @@ def git_commit() -> str:
         return ""
 
 
-def versions() -> dict:
-    import ctranslate2
-    import google.protobuf
-    import grpc
-    import numpy
-    import onnxruntime
-    import torch
+# package -> its module: the runtimes measured and what they stand on
+PACKAGES = {"torch": "torch", "onnxruntime": "onnxruntime", "ctranslate2": "ctranslate2", "triton": "triton",
+            "grpcio": "grpc", "numpy": "numpy", "protobuf": "google.protobuf"}
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "ctranslate2": ctranslate2.__version__, "grpcio": grpc.__version__, "numpy": numpy.__version__,
-            "protobuf": google.protobuf.__version__}
+
+def versions() -> dict:
+    """The packages' versions, leaving out those not installed (a GPU machine's own image may lack
+    some: bench gpu runs there)."""
+    found = {"python": platform.python_version()}
+    for package, module in PACKAGES.items():
+        try:
+            found[package] = importlib.import_module(module).__version__
+        except ImportError:
+            pass
+    return found

@@ -40,12 +40,11 @@ import torch
 
 from bench import add_publish, results_dir
 from bench.engine import export
+from bench.loop import BEAM, Rows, closed_loop
 from bench.provenance import Run
 from export.onnx_runtime import OnnxModel
-from server.engine.engine import PHASES, Engine, Observer
-from server.engine.options import DecodingOptions, Limits
+from server.engine.engine import PHASES, Engine
 from server.engine.scheduler import Scheduler
-from server.engine.sequence import Sequence
 from training.corpora import PROJECT_ROOT, load_examples
 from training.decode import source_inputs
 from training.seq2seq.checkpoint import SPM, load_checkpoint, save_checkpoint
@@ -59,7 +58,7 @@ ARCHITECTURES = {
     "graph": dict(encoder="graph", graph_fusion="weight_gate", graph_half_dim=True),
     "mvpe-pos": dict(pe_k=7, pos_tags=True),
 }
-BEAM, SOURCE, WIDTH = 4, 20, 32
+SOURCE, WIDTH = 20, 32
 EVICT_BYTES = 64 << 20  # written before a cold step: twice this machine's last-level cache
 
 
@@ -129,45 +128,6 @@ def graph_part(args, spm: bytes, build: Path) -> dict:
 
 
 # ---- the engine loop ---------------------------------------------------------------------------
-class Rows(Observer):
-    def __init__(self):
-        self.rows = 0
-
-    def stepped(self, rows: int, seconds: float) -> None:
-        self.rows += rows
-
-
-def closed_loop(engine: Engine, sources: list[tuple[list[int], list[int] | None]], in_flight: int, texts: int) -> dict:
-    """`texts` texts through the engine with `in_flight` of them queued or running at any time;
-    sources: (piece ids, POS tags or None) per text."""
-    options = DecodingOptions(beam=BEAM)
-    cfg, issued, finished = engine.backend.cfg, [0], [0]
-
-    def submit() -> None:
-        src, tags = sources[issued[0] % len(sources)]
-        issued[0] += 1
-        limit = options.output_limit(len(src), cfg.max_positions - 1, Limits())
-        engine.enqueue([Sequence(src, options, limit, on_done=done, tags=tags)])
-
-    def done(_: Sequence) -> None:
-        finished[0] += 1
-        if issued[0] < texts:
-            submit()
-
-    for _ in range(in_flight):
-        submit()
-    for _ in range(10):  # the batch fills and the arenas warm before timing
-        engine.iterate()
-    seconds, steps, rows, count = dict(engine.seconds), engine.steps, engine.observer.rows, finished[0]
-    start = time.perf_counter()
-    engine.run_until_idle()
-    wall = time.perf_counter() - start
-    n = engine.steps - steps
-    return {"in_flight": in_flight, "steps": n, "rows": round((engine.observer.rows - rows) / n, 1),
-            "texts_per_s": round((finished[0] - count) / wall, 1),
-            "ms": {k: round((engine.seconds[k] - seconds[k]) / n * 1e3, 3) for k in PHASES}}
-
-
 def engine_setups(args, build: Path) -> dict:
     """Per checkpoint: (a maker of a fresh engine on the int8 repository, as the server's admission
     defaults set it up; its test_2016_flickr sources)."""

@@ -8,8 +8,9 @@
                                              next step; this step's keys and values are written into
                                              the cache in place
 
-ONNX Runtime (the default; export/onnx_runtime.py) and PyTorch (the reference: the model's own
-modules, eager; on CUDA the Triton kernels through kernels.dispatch). Their step is the same
+ONNX Runtime (the default; export/onnx_runtime.py; CPU) and PyTorch (the reference: the model's own
+modules, eager; on the CPU, or on a GPU with the Triton kernels through kernels.dispatch). A backend's
+`device` is where the engine keeps its batch (server.engine.batch). Their step is the same
 function, training.seq2seq.model.Seq2Seq.step, traced for one and called for the other; both pick
 the top_k with ONNX's TopK (inside the graph, or server.engine.topk after the step), so they agree
 on ties.
@@ -30,19 +31,24 @@ BACKENDS = ("onnx", "torch", "ct2")
 
 
 class TorchBackend:
+    """The model where it is: the engine's batch follows it to its device, and the engine's small
+    per-step inputs, made on the host, are moved there here."""
+
     def __init__(self, model: Seq2Seq, threads: int | None = None):
         self.model = model.eval()
         self.cfg = model.cfg
+        self.device = next(model.parameters()).device
         if threads:
             torch.set_num_threads(threads)
 
     @torch.no_grad()
     def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
-        return self.model.encode(src, src_tags)
+        return self.model.encode(src.to(self.device), None if src_tags is None else src_tags.to(self.device))
 
     @torch.no_grad()
     def step_top(self, tokens, positions, row_sentence, enc: EncoderState, cache, top_k: int) -> tuple:
-        log_probs = self.model.step(tokens, positions, row_sentence, enc, cache)
+        on = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731  (a no-op on the CPU)
+        log_probs = self.model.step(on(tokens), on(positions), on(row_sentence), enc, cache)
         return log_probs, row_topk()(log_probs.float(), top_k)
 
 

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from .backends import BACKENDS
@@ -23,7 +24,8 @@ from .engine.options import Limits
 from .engine.scheduler import POLICIES
 
 # The enumerated fields and their values: the flags list them, check() refuses anything else.
-CHOICES = {"backend": tuple(BACKENDS), "precision": ("auto", "fp32", "int8"), "replicas": ("process", "thread"),
+CHOICES = {"backend": tuple(BACKENDS), "device": ("cpu", "cuda"), "precision": ("auto", "fp32", "int8"),
+           "replicas": ("process", "thread"),
            "batching": tuple(POLICIES), "log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json")}
 
 
@@ -39,6 +41,7 @@ class ServerConfig:
     http_port: int = 8080  # HTTP/JSON API and web page (0: off)
     metrics_port: int = 9090  # Prometheus metrics (0: off)
     backend: str = "onnx"  # inference runtime
+    device: str = "cpu"  # where the engine decodes; cuda: the torch backend on the GPU (its Triton kernels), one engine loop per model unless `workers` says more, as threads of this process (one CUDA context), whatever `replicas` says
     precision: str = "auto"  # weights of the exported graphs; auto: int8 where the build verified the int8 graphs against fp32 (verified.json), else fp32
     threads: int = 1  # intra-op threads per engine loop
     workers: int = 0  # engine loops per model, each with its own running batch (uses workers x threads cores); 0: one per CPU core this process may use
@@ -69,8 +72,13 @@ class ServerConfig:
                       max_texts=self.max_texts, max_text_chars=self.max_text_chars)
 
     def loops(self) -> int:
-        """Engine loops per model: `workers`, or one per core this process may run on."""
-        return self.workers or len(os.sched_getaffinity(0))
+        """Engine loops per model: `workers`, or one per core this process may run on (one on a GPU)."""
+        return self.workers or (1 if self.device == "cuda" else len(os.sched_getaffinity(0)))
+
+    def replica_kind(self) -> str:
+        """What runs each engine loop: `replicas`, but threads on a GPU (worker processes would each
+        open a CUDA context and a copy of the model)."""
+        return "thread" if self.device == "cuda" else self.replicas
 
     def token(self) -> str:
         return self.auth_token or os.environ.get("GRET_SERVE_TOKEN", "")
@@ -86,6 +94,10 @@ class ServerConfig:
             problems.append("result_cache and cache_mb must not be negative")
         if not 0 < self.max_call_share <= 1:
             problems.append(f"max_call_share must be above 0 and at most 1 (1: no cap), got {self.max_call_share}")
+        if self.device == "cuda" and self.backend != "torch":
+            problems.append(f"device cuda needs backend torch (the {self.backend} backend decodes on the CPU here)")
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            problems.append("device cuda: torch sees no CUDA device (a CUDA build of torch and a GPU are needed)")
         if self.workers < 0:
             problems.append(f"workers must not be negative (0: one per core), got {self.workers}")
         for name in ("port", "http_port", "metrics_port", "threads", "max_batch_tokens", "max_queue", "max_beam",

@@ -76,10 +76,13 @@ class Output:
 
 
 def make_backend(entry: ModelEntry | WorkerSpec, backend: str, precision: str = "fp32", threads: int = 1,
-                 workers: int = 1):
+                 workers: int = 1, device: str = "cpu"):
     """One backend for all of a model's thread replicas: an ONNX Runtime session and a PyTorch
     module may run from several threads at once; CTranslate2 needs a replica per thread. A worker
-    process builds its own from its WorkerSpec (the same name, repository and checkpoint)."""
+    process builds its own from its WorkerSpec (the same name, repository and checkpoint). Only the
+    PyTorch backend leaves the CPU (`device`)."""
+    if device != "cpu" and backend != "torch":
+        raise ModelError(f"the {backend} backend decodes on the CPU; device {device} needs the torch backend")
     if backend == "onnx":
         return OnnxBackend(entry.repository, precision=precision, threads=threads)
     if backend == "ct2":
@@ -87,7 +90,7 @@ def make_backend(entry: ModelEntry | WorkerSpec, backend: str, precision: str = 
     if backend == "torch":
         if entry.checkpoint is None:
             raise ModelError(f"model {entry.name}: the torch backend needs the checkpoint, not a repository")
-        return TorchBackend(load_checkpoint(entry.checkpoint)[0], threads)
+        return TorchBackend(load_checkpoint(entry.checkpoint)[0].to(device), threads)
     raise ModelError(f"unknown backend {backend!r}")
 
 
@@ -300,21 +303,23 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
                    policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
                    cache_bytes: int = 256 << 20, limits: Limits = Limits(),
                    observer: Observer | None = None, workers: int = 1, result_cache: int = 0,
-                   replicas: str = "thread", call_share: float = 1.0) -> Pipeline:
+                   replicas: str = "thread", call_share: float = 1.0, device: str = "cpu") -> Pipeline:
     """`workers` engine loops of `threads` intra-op threads each: threads of this process sharing
     one backend (Replicas), or worker processes with a backend each (WorkerReplicas; the encoder
     cache split between them). The batch budget, the per-call cap (call_share of it) and the queue
     are per loop, the queue split so that the model still queues max_queue. The result cache stays
-    here, in front of the loops."""
+    here, in front of the loops. Worker processes decode on the CPU."""
     precision = resolve_precision(entry, precision)
     queue = -(-max_queue // workers)
     results = ResultCache(result_cache)
     if replicas == "process" and backend != "ct2":
+        if device != "cpu":
+            raise ModelError(f"device {device}: the engine loops must be threads of this process, not worker processes")
         make_backend(entry, backend, precision, threads)  # opened once here: a broken model stops the start
         spec = WorkerSpec(entry.name, entry.version, entry.repository, entry.checkpoint, backend, precision, threads,
                           policy, max_batch_tokens, queue, cache_bytes // workers, call_share)
         return Pipeline(entry, WorkerReplicas(spec, workers, results, observer), limits, backend, precision)
-    model = make_backend(entry, backend, precision, threads, workers)
+    model = make_backend(entry, backend, precision, threads, workers, device)
     if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
         cache = EncoderCache(0)
         engines = [Ct2Engine(model, entry.version, Scheduler("request", max_batch_tokens, queue, call_share), cache,

@@ -43,7 +43,7 @@ class Registry:
                     entry, config.backend, config.precision, config.threads, config.batching,
                     config.max_batch_tokens, config.max_queue, cache_bytes, config.limits(),
                     metrics.observer(entry.name) if metrics else None, config.loops(), config.result_cache,
-                    config.replicas, config.max_call_share)
+                    config.replica_kind(), config.max_call_share, config.device)
             except Exception as e:  # whatever breaks loading (safetensors, ONNX Runtime, ...) is this folder's problem
                 problem = str(e) if isinstance(e, ModelError) else f"{folder}: {type(e).__name__}: {e}"
                 if not config.skip_bad_models:
@@ -54,7 +54,7 @@ class Registry:
             pipelines.append(pipeline)
             log.info("loaded model %s (version %s, %s %s->%s, %s, backend %s %s, %d %s replicas x %d threads)",
                      entry.name, entry.version, entry.task, entry.source_language, entry.target_language,
-                     entry.architecture, config.backend, pipeline.precision, config.loops(), config.replicas,
+                     entry.architecture, config.backend, pipeline.precision, config.loops(), config.replica_kind(),
                      config.threads)
             if metrics:
                 metrics.add_model(pipeline)

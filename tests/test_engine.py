@@ -86,6 +86,27 @@ def test_texts_joining_at_different_steps_get_their_offline_beam_search_results(
     assert_offline(model, seqs, srcs, options)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (docs/results/gpu-h200)")
+@pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca", "mvpe"])
+def test_on_a_gpu_each_text_gets_what_the_engine_gives_it_on_the_cpu(name):
+    """The batch's cache and encoder slots on the GPU, the model's steps with the Triton kernels:
+    joins at different steps, forks, departures, slot compaction and the constrained options
+    (min_length, no_repeat_ngram, a prefix) give the CPU engine's outputs."""
+    model = tiny_model(name)
+    srcs = sources(model, [7, 3, 9, 5, 6, 12, 4, 8, 10, 2])
+    options = [DecodingOptions(beam=4), DecodingOptions(beam=2), DecodingOptions(beam=1),
+               DecodingOptions(beam=3, length_penalty=0.6, n_best=3), DecodingOptions(beam=5, max_len_b=4),
+               DecodingOptions(beam=4, min_length=5), DecodingOptions(beam=3, no_repeat_ngram=2),
+               DecodingOptions(beam=4, prefix=(5, 6)), DecodingOptions(beam=2, n_best=2), DecodingOptions(beam=4)]
+    _, on_cpu = staggered(model, srcs, options)
+    engine, on_gpu = staggered(tiny_model(name).cuda(), srcs, options)
+    assert engine.batch.sources.device.type == "cuda"
+    for cpu, gpu in zip(on_cpu, on_gpu):
+        assert gpu.status == cpu.status == OK
+        assert [h.tokens for h in gpu.hypotheses] == [h.tokens for h in cpu.hypotheses]
+        assert [h.score for h in gpu.hypotheses] == pytest.approx([h.score for h in cpu.hypotheses], abs=1e-3)
+
+
 def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     """Slot storage: a join takes free slots, a departure frees its own; the rows that keep
     running (each beam's first child) keep their slots and their cached keys."""

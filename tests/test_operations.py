@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from server.config import CHOICES, ServerConfig, field_help, load
@@ -45,6 +46,9 @@ def test_help_shows_each_description_default_and_choices(capsys):
     (["--tls-cert", "/no/cert.pem", "--tls-key", "/no/key.pem"], ["tls_cert /no/cert.pem: no such file"]),
     (["--config", "/no/server.yaml"], ["/no/server.yaml"]),
     (["--port", "many"], ["--port", "many"]),
+    (["--device", "cuda"], ["device cuda needs backend torch", "the onnx backend decodes on the CPU"]),
+    *([(["--backend", "torch", "--device", "cuda"], ["device cuda: torch sees no CUDA device"])]
+      if not torch.cuda.is_available() else []),
 ])
 def test_a_bad_value_exits_2_with_one_line_naming_it(args, names):
     done = serve(*args)

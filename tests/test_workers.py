@@ -271,6 +271,8 @@ def test_with_no_flags_a_server_runs_a_worker_process_per_core_with_one_thread_e
     assert (config.replicas, config.threads, config.precision) == ("process", 1, "auto")
     assert config.loops() == len(os.sched_getaffinity(0))
     assert ServerConfig(workers=3).loops() == 3
+    on_gpu = ServerConfig(backend="torch", device="cuda")  # not checked: this machine needs no GPU to say so
+    assert (on_gpu.loops(), on_gpu.replica_kind(), ServerConfig().replica_kind()) == (1, "thread", "process")
 
 
 def test_auto_precision_is_int8_only_where_the_build_verified_the_int8_graphs(served_models, tmp_path):

@@ -79,7 +79,7 @@ class Batch:
         self.seqs: list[Sequence] = []
         self.counts, self.beams, self.limits, self.held = (np.empty(0, np.int64) for _ in range(4))
         self.constrained = 0  # sequences with min_length, no_repeat_ngram or a prefix: _constrain's work
-        self.sources = SourceSlots()
+        self.sources = SourceSlots(device)
         self.enc_slot = np.empty(0, np.int64)
         self.row_seq = np.empty(0, np.int64)
         self.tokens = np.empty(0, np.int64)

@@ -10,9 +10,9 @@ rows say which slot they read. A free slot among them is computed and read by no
 keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
 grows in steps of COLUMNS to the longest source and shrinks once the longest leaves; the slots
 grow by doubling, and the top slots are moved down into holes once an eighth of them are empty.
-The tensors the step reads are torch's; which slot holds what is NumPy, as the batch's own state,
-and the writes go through NumPy views of the same memory, whose indexed copies cost less per call
-than torch's.
+The tensors the step reads are torch's, on the engine's device; which slot holds what is NumPy, as
+the batch's own state. On the CPU the writes go through NumPy views of the same memory, whose
+indexed copies cost less per call than torch's; on a GPU through torch's indexing (_writable).
 """
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ COLUMNS = 8  # the source axis grows and shrinks in steps of this many columns
 
 
 class SourceSlots:
-    def __init__(self):
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
         self.memory: torch.Tensor | None = None  # (2 x layers, slots, H, width, d_h): K at 2i, V at 2i + 1
-        self.src_pad = torch.ones(0, 0, dtype=torch.bool)  # (slots, width) True = not a source piece
+        self.src_pad = torch.ones(0, 0, dtype=torch.bool, device=device)  # (slots, width) True = not a source piece
         self.global_state: torch.Tensor | None = None  # (slots, D), GRET only
         self.gate_source: torch.Tensor | None = None
         self.lengths = np.zeros(0, np.int64)  # each slot's source length; 0 = free
@@ -53,21 +54,21 @@ class SourceSlots:
             free = np.flatnonzero(self.lengths == 0)[:n]
         elif width > self.width:
             self._layout(self.capacity, whole_steps(width), enc)
-        memory = self.memory.numpy()
+        memory = self._writable(self.memory)
         for plane, t in enumerate(t for kv in enc.memory for t in kv):
-            memory[plane, free, :, :width] = host(t)
-        slot_pad = self.src_pad.numpy()
+            memory[plane, free, :, :width] = self._incoming(t)
+        slot_pad = self._writable(self.src_pad)
         slot_pad[free] = True
-        slot_pad[free, :width] = src_pad
+        slot_pad[free, :width] = self._incoming(enc.src_pad)
         for name in ("global_state", "gate_source"):
             if getattr(enc, name) is not None:
-                getattr(self, name).numpy()[free] = host(getattr(enc, name))
+                self._writable(getattr(self, name))[free] = self._incoming(getattr(enc, name))
         self.lengths[free] = np.maximum(lengths, 1)  # a slot in use never reads as free
         return free
 
     def free(self, slots: np.ndarray) -> None:
         self.lengths[slots] = 0
-        src_pad = self.src_pad.numpy()
+        src_pad = self._writable(self.src_pad)
         src_pad[slots] = True
         src_pad[slots, 0] = False
 
@@ -102,11 +103,11 @@ class SourceSlots:
             return None
         high = np.flatnonzero(self.lengths[used:] > 0) + used
         low = np.flatnonzero(self.lengths[:used] == 0)
-        memory = self.memory.numpy()
+        memory = self._writable(self.memory)
         memory[:, low] = memory[:, high]
         for t in (self.src_pad, self.global_state, self.gate_source):
             if t is not None:
-                a = t.numpy()
+                a = self._writable(t)
                 a[low] = a[high]
         self.lengths[low] = self.lengths[high]
         self.free(high)
@@ -122,8 +123,8 @@ class SourceSlots:
             _, heads, _, d_head = like.memory[0][0].shape
         else:
             planes, _, heads, _, d_head = old.shape
-        self.memory = torch.zeros(planes, slots, heads, width, d_head)
-        src_pad = torch.ones(slots, width, dtype=torch.bool)
+        self.memory = torch.zeros(planes, slots, heads, width, d_head, device=self.device)
+        src_pad = torch.ones(slots, width, dtype=torch.bool, device=self.device)
         src_pad[:, 0] = False
         lengths = np.zeros(slots, np.int64)
         keep, w = min(self.capacity, slots), min(self.width, width)
@@ -136,16 +137,24 @@ class SourceSlots:
             source = getattr(like, name) if like is not None else None
             if t is None and source is None:
                 continue
-            fresh = torch.zeros(slots, (t if t is not None else source).shape[1])
+            fresh = torch.zeros(slots, (t if t is not None else source).shape[1], device=self.device)
             if t is not None:
                 fresh[:keep] = t[:keep]
             setattr(self, name, fresh)
         self.src_pad, self.lengths = src_pad, lengths
 
+    def _writable(self, t: torch.Tensor) -> np.ndarray | torch.Tensor:
+        """What the slots' writes index: a NumPy view of the same memory on the CPU, the tensor itself
+        on a GPU (NumPy index arrays index either)."""
+        return t.numpy() if self.device.type == "cpu" else t
+
+    def _incoming(self, t: torch.Tensor) -> np.ndarray | torch.Tensor:
+        """A new state's tensor as _writable's targets take it."""
+        return host(t) if self.device.type == "cpu" else t.to(self.device)
+
 
 def host(t: torch.Tensor) -> np.ndarray:
-    """A tensor as NumPy: the same memory on CPU, a copy from an accelerator (a step's outputs, an
-    encoder's; the slots themselves live on the CPU)."""
+    """A tensor as NumPy: the same memory on CPU, a copy from an accelerator (a step's outputs)."""
     return t.detach().cpu().numpy()
 
 
