@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench.__main__ import main as bench_main
 from bench.memory import pod_flags
@@ -22,6 +23,12 @@ def test_every_benchmark_record_opens_with_where_its_numbers_come_from():
     machine = header["machine"]
     assert machine["cpus"] >= machine["usable_cpus"] >= 1 and machine["note"] == "training paused"
     assert len(machine["load_average_start"]) == len(machine["load_average_end"]) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_the_gpu_benchmark_says_it_needs_a_gpu_where_there_is_none(capsys):
+    assert bench_main(["gpu", "--quick"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
 def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(served_models, tmp_path):

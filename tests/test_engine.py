@@ -107,6 +107,26 @@ def test_on_a_gpu_each_text_gets_what_the_engine_gives_it_on_the_cpu(name):
         assert [h.score for h in gpu.hypotheses] == pytest.approx([h.score for h in cpu.hypotheses], abs=1e-3)
 
 
+@pytest.mark.parametrize("name", ["vanilla", "gret_full"])
+def test_the_gpus_ways_of_writing_slots_and_copying_forks_give_the_same_outputs_on_the_cpu(name):
+    """What a GPU's batch does differently, run here on CPU tensors: encoder slots written, freed and
+    moved through torch's indexing instead of NumPy views, forked beams' cache columns copied with
+    torch instead of Numba."""
+    model = tiny_model(name)
+    srcs = sources(model, [7, 3, 9, 5, 6, 12, 4, 8, 10, 2])
+    options = [DecodingOptions(beam=b, n_best=min(b, 2)) for b in (4, 2, 1, 3, 5, 4, 3, 4, 2, 4)]
+    _, native = staggered(model, srcs, options)
+    engine = engine_for(model)
+    engine.batch.compiled_copies = engine.batch.sources.numpy_views = False
+    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
+    for i in range(0, len(seqs), 3):  # joins at different steps, as staggered's
+        engine.submit(seqs[i: i + 3])
+        engine.iterate()
+    engine.run_until_idle()
+    for a, b in zip(native, seqs):
+        assert b.status == OK and [h.tokens for h in b.hypotheses] == [h.tokens for h in a.hypotheses]
+
+
 def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     """Slot storage: a join takes free slots, a departure frees its own; the rows that keep
     running (each beam's first child) keep their slots and their cached keys."""

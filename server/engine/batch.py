@@ -76,6 +76,7 @@ class Choice(NamedTuple):
 class Batch:
     def __init__(self, cfg, n_heads: int, d_head: int, device: torch.device):
         self.cfg, self.n_heads, self.d_head, self.device = cfg, n_heads, d_head, device
+        self.compiled_copies = device.type == "cpu"  # forks copy cache columns in Numba; else with torch (_copy_slots)
         self.seqs: list[Sequence] = []
         self.counts, self.beams, self.limits, self.held = (np.empty(0, np.int64) for _ in range(4))
         self.constrained = 0  # sequences with min_length, no_repeat_ngram or a prefix: _constrain's work
@@ -260,7 +261,7 @@ class Batch:
         """Slot targets[i] <- slot sources[i], its first columns[i] columns (the rest are not its own):
         rows of a running batch are at every step of their texts, and a young row's fork moves a
         few columns, not the oldest row's. The two sets never meet."""
-        if self.kv.device.type == "cpu":
+        if self.compiled_copies:
             copy_columns(self.kv.numpy(), sources, targets, columns)
             return
         # an accelerator's cache: compiled (Numba CPU) code cannot reach it

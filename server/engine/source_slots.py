@@ -27,6 +27,7 @@ COLUMNS = 8  # the source axis grows and shrinks in steps of this many columns
 class SourceSlots:
     def __init__(self, device: torch.device = torch.device("cpu")):
         self.device = device
+        self.numpy_views = device.type == "cpu"  # writes through NumPy views; else torch's indexing (_writable)
         self.memory: torch.Tensor | None = None  # (2 x layers, slots, H, width, d_h): K at 2i, V at 2i + 1
         self.src_pad = torch.ones(0, 0, dtype=torch.bool, device=device)  # (slots, width) True = not a source piece
         self.global_state: torch.Tensor | None = None  # (slots, D), GRET only
@@ -146,11 +147,11 @@ class SourceSlots:
     def _writable(self, t: torch.Tensor) -> np.ndarray | torch.Tensor:
         """What the slots' writes index: a NumPy view of the same memory on the CPU, the tensor itself
         on a GPU (NumPy index arrays index either)."""
-        return t.numpy() if self.device.type == "cpu" else t
+        return t.numpy() if self.numpy_views else t
 
     def _incoming(self, t: torch.Tensor) -> np.ndarray | torch.Tensor:
         """A new state's tensor as _writable's targets take it."""
-        return host(t) if self.device.type == "cpu" else t.to(self.device)
+        return host(t) if self.numpy_views else t.to(self.device)
 
 
 def host(t: torch.Tensor) -> np.ndarray:
