@@ -72,6 +72,7 @@ class Ct2Translator:
         if precision not in folders:
             raise ValueError(f"{directory} has no {precision} CT2 model; it has {sorted(folders)}")
         self.cfg = ModelConfig.from_dict(self.manifest["model_config"])
+        self.device = device
         folder = directory / folders[precision]
         self.pieces = json.loads((folder / VOCABULARY).read_text(encoding="utf-8"))
         if len(self.pieces) != self.cfg.vocab_size:

@@ -84,7 +84,7 @@ class Engine:
         self.observer = observer or Observer()
         self.name = name
         cfg = backend.cfg
-        self.batch = Batch(cfg, cfg.n_heads, cfg.d_model // cfg.n_heads, backend.device)
+        self.batch = Batch(cfg, cfg.n_heads, cfg.d_model // cfg.n_heads, torch.device(backend.device))
         self._cond = threading.Condition()
         self._cancels = False  # a client cancelled since the last look at the waiting texts (wake)
         self.accepting = True
