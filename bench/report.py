@@ -2,8 +2,8 @@
 
 Renders the benchmarks' page from the JSON that `python -m bench speed`, `engine`, `server` and
 `server --scenario backlog`, `step` and `memory` wrote (bench-speed.json, bench-engine.json, bench-step.json,
-bench-server.json, bench-server-backlog.json, bench-memory.json), and `python -m kernels.bench` on a CUDA
-machine (bench-kernels-DTYPE.json), and embeds their plots. Every number on the
+bench-server.json, bench-server-backlog.json, bench-memory.json), and `python -m bench gpu` and
+`python -m kernels.bench` on a CUDA machine (bench-gpu.json, bench-kernels-DTYPE.json), and embeds their plots. Every number on the
 page comes from those files; a benchmark that has not been run is named with its command. By
 default runs/bench/BENCHMARKS.md from runs/bench; with --publish docs/BENCHMARKS.md from docs/results.
 """
@@ -428,6 +428,25 @@ def ops_parts(ops: dict | None) -> list[str]:
             table(["operator"] + [f"`{name}` {g}" for name, g in columns], rows)]
 
 
+def gpu_section(data: dict, results: Path, out: Path) -> str:
+    """`python -m bench gpu`: the engine on a CUDA device against the same engine on the CPU."""
+    counts = [p["in_flight"] for p in next(iter(data["models"].values()))["gpu"]]
+    rows = [[f"`{name}`", f"{m['identical_outputs']}/{m['texts']}", m["cpu"]["texts_per_s"],
+             *[p["texts_per_s"] for p in m["gpu"]], m["gpu_over_cpu_at_64"] or "—"]
+            for name, m in data["models"].items()]
+    s = data["settings"]
+    return "\n\n".join([
+        "## The engine on a GPU",
+        provenance(data) + f"  \nDevice: {data['device']}",
+        (f"`python -m server --backend torch --device cuda`'s engine in this process (PyTorch backend, "
+         f"{s['precision']}, beam {s['beam']}; on the GPU the Triton kernels), {s['split']}, against the same engine "
+         f"on this machine's CPU ({s['cpu_threads']} torch threads, the server's default admission budget). Outputs: "
+         f"each text's best hypothesis on the GPU equals the CPU engine's, both at {s['compared_in_flight']} texts in "
+         "flight. Speed: texts/s in closed loops of N texts in flight."),
+        table(["model", "identical outputs", f"CPU at {s['compared_in_flight']}"]
+              + [f"GPU at {n}" for n in counts] + [f"GPU ÷ CPU at {s['compared_in_flight']}"], rows)])
+
+
 def kernels_section(runs: list[dict]) -> str:
     """`python -m kernels.bench` on a CUDA machine, one run per dtype."""
     parts = ["## Triton kernels on a GPU",
@@ -462,7 +481,8 @@ def render(results: Path, out: Path) -> str:
                                    ("bench-server.json", server_section, "python -m bench server"),
                                    ("bench-server-backlog.json", backlog_section,
                                     "python -m bench server --scenario backlog"),
-                                   ("bench-memory.json", memory_section, "python -m bench memory")):
+                                   ("bench-memory.json", memory_section, "python -m bench memory"),
+                                   ("bench-gpu.json", gpu_section, "python -m bench gpu --publish on a CUDA machine")):
         path = results / name
         if path.exists():
             parts.append(section(json.loads(path.read_text()), results, out))

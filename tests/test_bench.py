@@ -31,6 +31,25 @@ def test_the_gpu_benchmark_says_it_needs_a_gpu_where_there_is_none(capsys):
     assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
+def test_the_report_names_the_gpu_benchmark_until_a_run_is_there_then_renders_its_table(tmp_path):
+    """A GPU run's JSON in bench gpu's shape (its numbers made up here: this machine has no GPU)."""
+    results, page = tmp_path / "results", tmp_path / "BENCHMARKS.md"
+    results.mkdir()
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    assert "`bench-gpu.json` is not there yet: run `python -m bench gpu --publish on a CUDA machine`" in page.read_text()
+    point = lambda n, rate: {"in_flight": n, "steps": 10, "rows": 4.0, "texts_per_s": rate, "ms": {}}  # noqa: E731
+    run = {**Run("bench gpu", ["--publish"]).header(), "device": "a GPU",
+           "settings": {"beam": 4, "precision": "fp32", "backend": "torch", "cpu_threads": 16, "compared_in_flight": 64,
+                        "gpu_budget": 1 << 22, "cpu_budget": 8192, "split": "multi30k test_2016_flickr"},
+           "models": {"m": {"texts": 1000, "identical_outputs": 998, "cpu": point(64, 50.0),
+                            "gpu": [point(1, 20.0), point(64, 400.0)], "gpu_over_cpu_at_64": 8.0}}}
+    (results / "bench-gpu.json").write_text(json.dumps(run))
+    assert bench_main(["report", "--results", str(results), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "## The engine on a GPU" in text and "Device: a GPU" in text and "`python -m bench gpu --publish`" in text
+    assert "| `m` | 998/1000 | 50.0 | 20.0 | 400.0 | 8.0 |" in text
+
+
 def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(served_models, tmp_path):
     results = tmp_path / "results"
     code = bench_main(["server", "--quick", "--models-dir", str(served_models), "--model", "tiny-de-en",
