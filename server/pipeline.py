@@ -80,9 +80,7 @@ def make_backend(entry: ModelEntry | WorkerSpec, backend: str, precision: str = 
     """One backend for all of a model's thread replicas: an ONNX Runtime session and a PyTorch
     module may run from several threads at once; CTranslate2 needs a replica per thread. A worker
     process builds its own from its WorkerSpec (the same name, repository and checkpoint). Only the
-    PyTorch backend leaves the CPU (`device`)."""
-    if device != "cpu" and backend != "torch":
-        raise ModelError(f"the {backend} backend decodes on the CPU; device {device} needs the torch backend")
+    PyTorch backend leaves the CPU (`device`; ServerConfig.check refuses the others there)."""
     if backend == "onnx":
         return OnnxBackend(entry.repository, precision=precision, threads=threads)
     if backend == "ct2":
