@@ -48,6 +48,7 @@ def engine(model, budget: int) -> Engine:
 
 
 def measure(checkpoint: Path, texts: int, cpu_threads: int, in_flight: tuple[int, ...]) -> dict:
+    """One checkpoint's outputs and speeds; in_flight holds COMPARED_IN_FLIGHT."""
     model, ckpt, sp = load_checkpoint(checkpoint)
     examples = load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang, ckpt.data.tgt_lang)[:texts]
     ids, tags = source_inputs(model, sp, [e.source for e in examples], ckpt.data.src_lang, ckpt.data.max_src_len)
@@ -55,23 +56,26 @@ def measure(checkpoint: Path, texts: int, cpu_threads: int, in_flight: tuple[int
     torch.set_num_threads(cpu_threads)
     on_cpu, on_gpu = {}, {}
     cpu = closed_loop(engine(model, ServerConfig().max_batch_tokens), sources, COMPARED_IN_FLIGHT, len(sources), on_cpu)
-    gpu_model = model.cuda()
-    points = [closed_loop(engine(gpu_model, GPU_BUDGET), sources, n, len(sources), on_gpu) if n == COMPARED_IN_FLIGHT
-              else closed_loop(engine(gpu_model, GPU_BUDGET), sources, n, max(64, 4 * n)) for n in in_flight]
+    gpu_model = model.cuda()  # the same weights, moved
+    points = []
+    for n in in_flight:  # at the compared count every text is decoded once and its output kept
+        compared = n == COMPARED_IN_FLIGHT
+        texts_run = len(sources) if compared else max(64, 4 * n)
+        points.append(closed_loop(engine(gpu_model, GPU_BUDGET), sources, n, texts_run, on_gpu if compared else None))
     same = sum(on_cpu[i] == on_gpu[i] for i in range(len(sources)))
+    at = next(p for p in points if p["in_flight"] == COMPARED_IN_FLIGHT)
+    speeds = ", ".join(f"{p['in_flight']}: {p['texts_per_s']}" for p in points)
     print(f"{checkpoint.name}: GPU outputs identical to the CPU engine's for {same}/{len(sources)} texts; "
-          f"CPU {cpu['texts_per_s']} texts/s; GPU " + ", ".join(f"{p['in_flight']}: {p['texts_per_s']}" for p in points),
-          flush=True)
+          f"CPU {cpu['texts_per_s']} texts/s; GPU {speeds}", flush=True)
     return {"texts": len(sources), "identical_outputs": same, "cpu": cpu, "gpu": points,
-            "gpu_over_cpu_at_64": round(next(p["texts_per_s"] for p in points if p["in_flight"] == COMPARED_IN_FLIGHT)
-                                        / cpu["texts_per_s"], 2) if COMPARED_IN_FLIGHT in in_flight else None}
+            "gpu_over_cpu_at_64": round(at["texts_per_s"] / cpu["texts_per_s"], 2)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoints", type=Path, nargs="+",
-                   default=[PROJECT_ROOT / "models" / "multi30k-de-en-vanilla", PROJECT_ROOT / "models" / "multi30k-de-en"])
+                   default=[PROJECT_ROOT / "models" / name for name in ("multi30k-de-en-vanilla", "multi30k-de-en")])
     p.add_argument("--texts", type=int, default=1000, help="test sentences compared (the first N)")
     p.add_argument("--cpu-threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="the CPU engine's torch threads (default: every core this process may use)")
