@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out_dir = args.out_dir or results_dir(args.publish)
     started = time.monotonic()
-    record = Run("bench memory", argv, "shared machine" + (f"; {args.note}" if args.note else ""))
+    record = Run("bench memory", argv, "shared machine", args.note)
     settings = {"defaults": ["--models-dir", str(args.models_dir)], "pod": pod_flags(args.models_dir),
                 "pod-threads": [*(a for a in pod_flags(args.models_dir)
                                   if not a.startswith(("--replicas", "--workers"))), "--replicas=thread"]}

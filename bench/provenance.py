@@ -17,11 +17,11 @@ from training.corpora import PROJECT_ROOT
 class Run:
     """Made when a benchmark starts (the load average then), read when it writes its JSON."""
 
-    def __init__(self, module: str, argv: list[str] | None, note: str = ""):
+    def __init__(self, module: str, argv: list[str] | None, *notes: str):
         """module: what follows `python -m` ("bench speed", "bench.soak"); argv: the benchmark's own
-        arguments (None: this process's)."""
+        arguments (None: this process's); notes: what the machine was doing, the empty ones left out."""
         self.command = shlex.join(["python", "-m", *module.split(), *(sys.argv[1:] if argv is None else argv)])
-        self.note, self.load_start = note, os.getloadavg()
+        self.note, self.load_start = "; ".join(filter(None, notes)), os.getloadavg()
 
     def header(self) -> dict:
         return {"command": self.command,

@@ -3,8 +3,8 @@
 Renders the benchmarks' page from the JSON that `python -m bench speed`, `engine`, `server` and
 `server --scenario backlog`, `step` and `memory` wrote (bench-speed.json, bench-engine.json, bench-step.json,
 bench-server.json, bench-server-backlog.json, bench-memory.json), and `python -m bench gpu` and
-`python -m kernels.bench` on a CUDA machine (bench-gpu.json, bench-kernels-DTYPE.json), and embeds their plots. Every number on the
-page comes from those files; a benchmark that has not been run is named with its command. By
+`python -m kernels.bench` on a CUDA machine (bench-gpu.json, bench-kernels-DTYPE.json), and embeds their
+plots. Every number on the page comes from those files; a benchmark that has not been run is named with its command. By
 default runs/bench/BENCHMARKS.md from runs/bench; with --publish docs/BENCHMARKS.md from docs/results.
 """
 from __future__ import annotations
@@ -432,7 +432,7 @@ def gpu_section(data: dict, results: Path, out: Path) -> str:
     """`python -m bench gpu`: the engine on a CUDA device against the same engine on the CPU."""
     counts = [p["in_flight"] for p in next(iter(data["models"].values()))["gpu"]]
     rows = [[f"`{name}`", f"{m['identical_outputs']}/{m['texts']}", m["cpu"]["texts_per_s"],
-             *[p["texts_per_s"] for p in m["gpu"]], m["gpu_over_cpu_at_64"] or "—"]
+             *[p["texts_per_s"] for p in m["gpu"]], m["gpu_over_cpu_at_64"]]
             for name, m in data["models"].items()]
     s = data["settings"]
     return "\n\n".join([
@@ -440,9 +440,9 @@ def gpu_section(data: dict, results: Path, out: Path) -> str:
         provenance(data) + f"  \nDevice: {data['device']}",
         (f"`python -m server --backend torch --device cuda`'s engine in this process (PyTorch backend, "
          f"{s['precision']}, beam {s['beam']}; on the GPU the Triton kernels), {s['split']}, against the same engine "
-         f"on this machine's CPU ({s['cpu_threads']} torch threads, the server's default admission budget). Outputs: "
-         f"each text's best hypothesis on the GPU equals the CPU engine's, both at {s['compared_in_flight']} texts in "
-         "flight. Speed: texts/s in closed loops of N texts in flight."),
+         f"on this machine's CPU ({s['cpu_threads']} torch threads, the server's default admission budget). Identical "
+         f"outputs: the texts whose best hypothesis on the GPU is the CPU engine's, both at {s['compared_in_flight']} "
+         "texts in flight. Speed: texts/s in closed loops of N texts in flight."),
         table(["model", "identical outputs", f"CPU at {s['compared_in_flight']}"]
               + [f"GPU at {n}" for n in counts] + [f"GPU ÷ CPU at {s['compared_in_flight']}"], rows)])
 

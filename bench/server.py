@@ -662,7 +662,7 @@ def backlog_texts(plan: Backlog, servers: int, seed: int) -> dict:
 def run_backlog(args) -> int:
     plan = BACKLOG_QUICK if args.quick else BACKLOG
     started = time.monotonic()
-    record = Run("bench server", args.argv, "shared machine: nothing paused" + (f"; {args.note}" if args.note else ""))
+    record = Run("bench server", args.argv, "shared machine: nothing paused", args.note)
     settings = {"defaults": [], **{" ".join(c): c for c in map(shlex.split, args.compare)}}
     texts = backlog_texts(plan, len(settings), args.seed)
     base = ["--models-dir", str(args.models_dir), "--models", args.model, "--http-port", "0"] + \
@@ -748,8 +748,7 @@ def main(argv=None) -> int:
     args.engine_results = args.engine_results or args.out_dir / "bench-engine.json"
     plan = QUICK if args.quick else FULL
     started = time.monotonic()
-    record = Run("bench server", args.argv,
-              "shared machine: compare within this run only" + (f"; {args.note}" if args.note else ""))
+    record = Run("bench server", args.argv, "shared machine: compare within this run only", args.note)
 
     texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", "de", "en")]
     random.Random(args.seed).shuffle(texts)

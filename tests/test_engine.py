@@ -52,10 +52,11 @@ def engine_for(model, policy="continuous", **kw) -> Engine:
     return Engine(TorchBackend(model), "v1", Scheduler(policy, **kw), EncoderCache(1 << 24))
 
 
-def staggered(model, srcs, options) -> tuple[Engine, list[Sequence]]:
-    """The texts joining one running batch at different steps: two, two steps later two more (the
-    first two still running), a step later the rest; run until all are done."""
-    engine = engine_for(model)
+def staggered(model, srcs, options, engine: Engine | None = None) -> tuple[Engine, list[Sequence]]:
+    """The texts joining one running batch (of `engine`, else a new one) at different steps: two,
+    two steps later two more (the first two still running), a step later the rest; run until all
+    are done."""
+    engine = engine or engine_for(model)
     seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
     engine.submit(seqs[:2])
     engine.iterate()
@@ -118,11 +119,7 @@ def test_the_gpus_ways_of_writing_slots_and_copying_forks_give_the_same_outputs_
     _, native = staggered(model, srcs, options)
     engine = engine_for(model)
     engine.batch.compiled_copies = engine.batch.sources.numpy_views = False
-    seqs = [make_seq(model, s, o) for s, o in zip(srcs, options)]
-    for i in range(0, len(seqs), 3):  # joins at different steps, as staggered's
-        engine.submit(seqs[i: i + 3])
-        engine.iterate()
-    engine.run_until_idle()
+    _, seqs = staggered(model, srcs, options, engine)
     for a, b in zip(native, seqs):
         assert b.status == OK and [h.tokens for h in b.hypotheses] == [h.tokens for h in a.hypotheses]
 
