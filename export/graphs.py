@@ -1,5 +1,6 @@
-"""PyTorch modules used only for export: the model's encoder pass and one decoder step, with flat
-tensor inputs and outputs in the order of export/spec.py.
+"""PyTorch modules used only for export: the model's encoder pass, one decoder step and, for capsule
+models, the global state after routing, with flat tensor inputs and outputs in the order of
+export/spec.py.
 
 The encoder pass calls the model's own modules one by one rather than Seq2Seq.encode, which
 dispatches to fused kernels whose eager code is not written for tracing; the decoder step is the
@@ -12,13 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.routing import capsule_votes
 from training.seq2seq.model import EncoderState, Seq2Seq, row_groups
 
-from .spec import cross_names, decoder_spec, encoder_spec, past_names
+from .spec import cross_names, decoder_spec, past_names, per_sentence
 
 
 class EncoderGraph(nn.Module):
-    """(src_ids[, src_tags]) -> src_pad, [global_state], [gate_source], cross K/V per decoder layer."""
+    """(src_ids[, src_tags]) -> encoder_spec's outputs: src_pad, [global_state], [gate_source], cross
+    K/V per decoder layer; a capsule model gives its routing's votes in place of the global state."""
 
     def __init__(self, model: Seq2Seq):
         super().__init__()
@@ -30,11 +33,28 @@ class EncoderGraph(nn.Module):
         views = m.encoder(m.embed_source(src_ids, src_tags), pad)
         memories = multiview_memories(m, views)
         kv = [layer.cross_attn.keys_values(memory) for layer, memory in zip(m.decoder, memories)]
+        if m.cfg.capsule:
+            h, _ = m.global_state.routing_input(views, pad)
+            return (*flatten_state(EncoderState(kv, pad)), capsule_votes(h, m.global_state.capsule_w))
         s = gs = None
         if m.global_state is not None:
             s = m.global_state(views, pad)
             gs = m.context_gate.source_part(s) if m.context_gate is not None else None
         return flatten_state(EncoderState(kv, pad, s, gs))
+
+
+class GlobalGraph(nn.Module):
+    """Capsule models: the routed capsules U (M*B, K, d_c) -> global_state[, gate_source], the rest
+    of GlobalState.forward after its routing."""
+
+    def __init__(self, model: Seq2Seq):
+        super().__init__()
+        self.model = model
+
+    def forward(self, capsules: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m = self.model
+        s = m.global_state.aggregate(m.global_state.capsule_vectors(capsules))
+        return (s,) if m.context_gate is None else (s, m.context_gate.source_part(s))
 
 
 class DecoderGraph(nn.Module):
@@ -52,7 +72,7 @@ class DecoderGraph(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.model
         named = dict(zip(self.input_names, inputs))
-        enc = unflatten_state(m.cfg, [named[t.name] for t in encoder_spec(m.cfg).outputs])
+        enc = unflatten_state(m.cfg, [named[t.name] for t in per_sentence(m.cfg)])
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
         log_probs, present = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
                                          named["group_rows"], named["row_slot"], enc, past)

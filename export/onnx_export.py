@@ -1,4 +1,5 @@
-"""Trace a Seq2Seq into encoder.onnx and decoder.onnx and check both against their specs.
+"""Trace a Seq2Seq into encoder.onnx, decoder.onnx (and global.onnx for capsule models) and check
+each against its spec.
 
 The TorchScript-based exporter (torch.onnx.export(dynamo=False)) is used on purpose: it exports
 a tiny model in about a second (the torch.export path takes many times that, which the test
@@ -15,7 +16,7 @@ import torch
 
 from training.seq2seq.model import Seq2Seq
 
-from .graphs import DecoderGraph, EncoderGraph, decoder_inputs, flatten_state, unflatten_state
+from .graphs import DecoderGraph, EncoderGraph, GlobalGraph, decoder_inputs, flatten_state, unflatten_state
 from .spec import OPSET, GraphSpec, decoder_spec, model_specs, unclaimed_weights
 
 ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT, "bool": onnx.TensorProto.BOOL}
@@ -37,6 +38,14 @@ def sample_source(model: Seq2Seq) -> tuple[torch.Tensor, ...]:
     if not cfg.pos_tags:
         return (src,)
     return src, torch.randint(1, cfg.n_pos_tags, src.shape, generator=g)
+
+
+def sample_capsules(model: Seq2Seq) -> torch.Tensor:
+    """Capsules U of the sample batch's M routed layers (M * SAMPLE_BATCH groups, layer-major)."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    groups = cfg.routed_layers * SAMPLE_BATCH
+    return torch.randn(groups, cfg.capsules, cfg.capsule_dim, generator=g) * 0.1
 
 
 def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -102,20 +111,21 @@ def check_graph(path: Path, spec: GraphSpec) -> None:
 
 @torch.no_grad()
 def export_onnx(model: Seq2Seq, directory: Path) -> dict[str, Path]:
-    """Writes encoder.onnx and decoder.onnx (fp32) into `directory`; returns {graph name: path}."""
+    """Writes encoder.onnx, [global.onnx,] decoder.onnx (fp32) into `directory`; returns {graph name: path}."""
     model = model.eval()
-    specs = model_specs(model.cfg)
-    unclaimed = unclaimed_weights([n for n, _ in model.named_parameters()], specs)
+    specs = {s.name: s for s in model_specs(model.cfg)}
+    unclaimed = unclaimed_weights([n for n, _ in model.named_parameters()], tuple(specs.values()))
     if unclaimed:
         raise ExportError(f"no ONNX graph carries these parameters (the exporter does not know their "
                           f"module): {unclaimed}")
-    encoder, decoder = EncoderGraph(model), DecoderGraph(model)
     src = sample_source(model)
-    paths = {"encoder": Path(directory) / "encoder.onnx", "decoder": Path(directory) / "decoder.onnx"}
-    _export(encoder, src, specs[0], paths["encoder"])
+    paths = {name: Path(directory) / f"{name}.onnx" for name in specs}
+    _export(EncoderGraph(model), src, specs["encoder"], paths["encoder"])
+    if "global" in specs:
+        _export(GlobalGraph(model), (sample_capsules(model),), specs["global"], paths["global"])
     per_sentence = flatten_state(model.encode(*src))
-    _export(decoder, sample_step(model, per_sentence), specs[1], paths["decoder"])
-    declare_uninferred(paths["decoder"], specs[1])
-    for spec in specs:
-        check_graph(paths[spec.name], spec)
+    _export(DecoderGraph(model), sample_step(model, per_sentence), specs["decoder"], paths["decoder"])
+    declare_uninferred(paths["decoder"], specs["decoder"])
+    for name, spec in specs.items():
+        check_graph(paths[name], spec)
     return paths

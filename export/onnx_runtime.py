@@ -1,4 +1,4 @@
-"""ONNX Runtime backend: a model repository's encoder/decoder graphs behind the interface of
+"""ONNX Runtime backend: a model repository's graphs behind the interface of
 training.seq2seq.model.Seq2Seq (encode, decode_step, cfg) plus reorder, so training.seq2seq.search's greedy and
 beam search run on it unchanged.
 
@@ -21,13 +21,14 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from kernels.routing import route_votes
 from training.seq2seq import search
 from training.seq2seq.config import ModelConfig
 from training.seq2seq.model import EncoderState, grown_step
 
 from .graphs import layout_inputs, unflatten_state
 from .manifest import read_manifest
-from .spec import GraphSpec, decoder_spec, encoder_spec, present_names
+from .spec import GraphSpec, model_specs, per_sentence, present_names
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -152,6 +153,11 @@ class OnnxGraph:
         return True
 
 
+def output_shapes(spec: GraphSpec, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Each output's shape: the spec's axes, the named ones given by `sizes`."""
+    return {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in spec.outputs}
+
+
 # The step's inputs that only the row layout decides (OnnxModel._layout): a step of an unchanged
 # layout gives ONNX Runtime its new tokens and positions and nothing else.
 LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", "group_rows", "top_k"})
@@ -168,7 +174,7 @@ class StepLayout:
 
 
 class OnnxModel:
-    """encode / decode_step / reorder over encoder.onnx and decoder.onnx (or their int8 twins)."""
+    """encode / decode_step / reorder over encoder.onnx, [global.onnx,] decoder.onnx (or their int8 twins)."""
 
     def __init__(self, directory: Path, precision: str = "fp32", device: str | None = None, threads: int = 1,
                  verify: bool = True):
@@ -182,21 +188,28 @@ class OnnxModel:
         self.cfg = ModelConfig.from_dict(self.manifest["model_config"])
         self.device = torch.device(device or default_device())
         files = precisions[precision]
-        self.encoder = OnnxGraph(directory / files["encoder"], encoder_spec(self.cfg), self.device, threads)
-        self.decoder = OnnxGraph(directory / files["decoder"], decoder_spec(self.cfg), self.device, threads)
+        graphs = {spec.name: OnnxGraph(directory / files[spec.name], spec, self.device, threads)
+                  for spec in model_specs(self.cfg)}
+        self.encoder, self.decoder = graphs["encoder"], graphs["decoder"]
+        self.global_graph = graphs.get("global")  # capsule models: s^M after the host's routing
         self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
 
     def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
+        """The encoder graph; for a capsule model then its votes routed on the host
+        (kernels.routing.route_votes) and the global graph on the capsules."""
         if self.cfg.pos_tags and src_tags is None:
             raise ValueError("this model needs source POS tags (config pos_tags=True)")
         batch, length = src.shape
+        sizes = {"batch": batch, "src_len": length, "groups": batch * self.cfg.routed_layers}
         inputs = {"src_ids": src} | ({"src_tags": src_tags} if self.cfg.pos_tags else {})
-        shapes = {}
-        for t in self.encoder.spec.outputs:
-            sizes = {"batch": batch, "src_len": length}
-            shapes[t.name] = tuple(sizes.get(d, d) for d in t.shape)
-        outputs = self.encoder.run(inputs, shapes)
-        return unflatten_state(self.cfg, [outputs[t.name] for t in self.encoder.spec.outputs])
+        outputs = self.encoder.run(inputs, output_shapes(self.encoder.spec, sizes))
+        if self.global_graph is not None:
+            pad = outputs["src_pad"].repeat(self.cfg.routed_layers, 1)  # the groups are layer-major
+            capsules = route_votes(outputs["capsule_votes"].cpu().numpy(), pad.cpu().numpy(), self.cfg.capsules,
+                                   self.cfg.routing_iters, self.cfg.routing_logit_scale)
+            outputs |= self.global_graph.run({"capsules": torch.from_numpy(capsules)},
+                                             output_shapes(self.global_graph.spec, sizes))
+        return unflatten_state(self.cfg, [outputs[t.name] for t in per_sentence(self.cfg)])
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list | None, beam: int = 1,
                     row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
@@ -244,8 +257,7 @@ class OnnxModel:
                 raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
                                  f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
         inputs = layout_inputs(row_sentence, enc, cache, top_k)
-        sizes = {"rows": row_sentence.shape[0], "k": top_k}
-        shapes = {t.name: tuple(sizes.get(d, d) for d in t.shape) for t in self.decoder.spec.outputs}
+        shapes = output_shapes(self.decoder.spec, {"rows": row_sentence.shape[0], "k": top_k})
         present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
         self.decoder.local.layout = StepLayout(key, top_k, inputs, shapes, present)
         return self.decoder.local.layout

@@ -1,4 +1,5 @@
-"""Declarative description of the two ONNX graphs of a model repository.
+"""Declarative description of the ONNX graphs of a model repository: encoder, decoder step, and
+for capsule models the global state between them.
 
 A spec says, for one model config, which tensors go in and out of each graph (name, element
 type, axes: a name for a dynamic axis, an int for a fixed one) and which of the model's weights
@@ -66,27 +67,46 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present_key.{layer}", f"present_value.{layer}"
 
 
-def _per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
+def per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
     """What the encoder computes once per sentence and every decoder step reads (docs/MODEL.md)."""
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     out = [TensorSpec("src_pad", "bool", ("batch", "src_len"))]
-    if cfg.gret:
-        out.append(TensorSpec("global_state", "float32", ("batch", cfg.d_model)))
-    if cfg.gate:
-        out.append(TensorSpec("gate_source", "float32", ("batch", cfg.d_model)))
+    out += global_outputs(cfg)
     for i in range(cfg.dec_layers):
         out += [TensorSpec(n, "float32", ("batch", heads, "src_len", d_head)) for n in cross_names(i)]
     return out
 
 
+def global_outputs(cfg: ModelConfig) -> list[TensorSpec]:
+    """GRET's per-sentence s^M and Gs, where the model has them."""
+    out = [TensorSpec("global_state", "float32", ("batch", cfg.d_model))] if cfg.gret else []
+    return out + ([TensorSpec("gate_source", "float32", ("batch", cfg.d_model))] if cfg.gate else [])
+
+
 def encoder_spec(cfg: ModelConfig) -> GraphSpec:
+    """The source's pass. With capsule routing it stops at the routing's votes (u_hat: the M routed
+    layers of B sentences as M*B groups, layer-major, every capsule's d_c values side by side); the
+    host routes them (kernels.routing.route_votes) and the global graph takes the capsules from there."""
     inputs = [TensorSpec("src_ids", "int64", ("batch", "src_len"))]
     if cfg.pos_tags:
         inputs.append(TensorSpec("src_tags", "int64", ("batch", "src_len")))
-    weights = ["embed.", "tag_embed.", "src_in.", "encoder.", "multiview.", "global_state.",
-               "context_gate.w_s."]
+    outputs = per_sentence(cfg)
+    weights = ["embed.", "tag_embed.", "src_in.", "encoder.", "multiview."]
     weights += [f"decoder.{i}.cross_attn.{p}." for i in range(cfg.dec_layers) for p in "kv"]
-    return GraphSpec("encoder", tuple(inputs), tuple(_per_sentence(cfg)), tuple(weights))
+    if cfg.capsule:
+        outputs = [t for t in outputs if t not in global_outputs(cfg)]
+        outputs.append(TensorSpec("capsule_votes", "float32", ("groups", "src_len", cfg.capsules * cfg.capsule_dim)))
+        weights += ["global_state.capsule_w", "global_state.layer_norm."]
+    else:
+        weights += ["global_state.", "context_gate.w_s."]
+    return GraphSpec("encoder", tuple(inputs), tuple(outputs), tuple(weights))
+
+
+def global_spec(cfg: ModelConfig) -> GraphSpec:
+    """Capsule models only: the routed capsules U (M*B, K, d_c) -> s^M (and Gs): pooling, the
+    layer-wise GRU, the norms."""
+    inputs = (TensorSpec("capsules", "float32", ("groups", cfg.capsules, cfg.capsule_dim)),)
+    return GraphSpec("global", inputs, tuple(global_outputs(cfg)), ("global_state.", "context_gate.w_s."))
 
 
 def decoder_spec(cfg: ModelConfig) -> GraphSpec:
@@ -97,7 +117,7 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
         inputs.append(TensorSpec("row_sentence", "int64", ("rows",)))
     inputs += [TensorSpec("row_slot", "int64", ("rows",)),
               TensorSpec("group_rows", "int64", ("batch", "group_width"))]
-    inputs += _per_sentence(cfg)
+    inputs += per_sentence(cfg)
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
@@ -111,8 +131,9 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     return GraphSpec("decoder", tuple(inputs), tuple(outputs), tuple(weights))
 
 
-def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, GraphSpec]:
-    return encoder_spec(cfg), decoder_spec(cfg)
+def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, ...]:
+    """The graphs of a repository, in the order a source goes through them."""
+    return (encoder_spec(cfg),) + ((global_spec(cfg),) if cfg.capsule else ()) + (decoder_spec(cfg),)
 
 
 def export_digest(cfg: ModelConfig) -> str:

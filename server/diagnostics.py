@@ -37,10 +37,9 @@ def gret_diagnostics(model: Seq2Seq, src: list[int], tokens: list[int],
         gate = g.mean(-1).tolist()
     agreement = 0.0
     if cfg.capsule:
-        routed = model.global_state.routed_views(views)
-        _, c = capsule_routing_reference(torch.cat(routed), pad.repeat(len(routed), 1), model.global_state.capsule_w,
-                                         cfg.routing_iters, coupling=True,
-                                         scale=model.global_state.routing_logit_scale)
+        h, routed_pad = model.global_state.routing_input(views, pad)
+        _, c = capsule_routing_reference(h, routed_pad, model.global_state.capsule_w, cfg.routing_iters,
+                                         coupling=True, scale=cfg.routing_logit_scale)
         agreement = float(c.max(-1).values.mean())
     return gate, agreement
 

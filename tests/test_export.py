@@ -22,7 +22,7 @@ from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export import onnx_runtime
 from export.onnx_runtime import OnnxModel, beam_search, greedy
-from export.spec import decoder_spec, encoder_spec, export_sources
+from export.spec import decoder_spec, encoder_spec, export_sources, model_specs
 from server.engine.topk import row_topk
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from training.corpora import load_examples
@@ -240,12 +240,17 @@ def test_the_graphs_blockwise_top_k_is_onnx_topk_ties_included(tmp_path):
 
 
 def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, spm_bytes):
-    """The exported routing projects by the stacked capsule weights as one 2-D matrix, so int8
-    leaves no MatMul on an fp32 weight in either graph, and the int8 GRET graphs give an s^M and
-    log-probabilities close to fp32's (within 10% of their norm: int8's error)."""
+    """A capsule model's repository has three graphs: the encoder, ending at the routing's votes,
+    which it projects by the stacked capsule weights as one 2-D matrix; the global state after the
+    host's routing; the decoder step. int8 leaves no MatMul on an fp32 weight in any of them, and
+    the int8 GRET graphs give an s^M and log-probabilities close to fp32's (within 10% of their
+    norm: int8's error)."""
     model, fp32 = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
     int8 = OnnxModel(tmp_path / "repo", precision="int8")
-    graphs = {name: onnx.load(str(tmp_path / "repo" / f"{name}.int8.onnx")).graph for name in ("encoder", "decoder")}
+    assert read_manifest(tmp_path / "repo")["onnx"]["precisions"]["int8"] == {
+        name: f"{name}.int8.onnx" for name in ("encoder", "global", "decoder")}
+    graphs = {name: onnx.load(str(tmp_path / "repo" / f"{name}.int8.onnx")).graph
+              for name in ("encoder", "global", "decoder")}
     for name, graph in graphs.items():
         weights = {t.name for t in graph.initializer}
         assert not [n.name for n in graph.node if n.op_type == "MatMul" and weights & set(n.input)], name
@@ -413,7 +418,7 @@ def test_beam_search_on_onnx_gives_the_pytorch_outputs_on_real_sentences(trained
 def test_int8_graphs_run_and_give_valid_output(trained):
     model, repo, src, tags = trained
     manifest = read_manifest(repo)
-    assert manifest["onnx"]["precisions"]["int8"] == {"encoder": "encoder.int8.onnx", "decoder": "decoder.int8.onnx"}
+    assert manifest["onnx"]["precisions"]["int8"] == {s.name: f"{s.name}.int8.onnx" for s in model_specs(model.cfg)}
     files = manifest["files"]
     assert files["decoder.int8.onnx"]["bytes"] < files["decoder.onnx"]["bytes"]
     int8, fp32 = OnnxModel(repo, precision="int8"), OnnxModel(repo)

@@ -41,7 +41,7 @@ TOP_K_PHASE = "decoder"  # each row's top-k candidates are the backend's step's 
 # Padded source pieces per encoder pass (texts x the longest of them). A step may admit hundreds of
 # texts; encoded at once, their activations would set ONNX Runtime's memory arena, which keeps its
 # peak, to hundreds of MB per model (bench memory), and they grow with length as much as with
-# count (the exported GRET routing's u_hat alone is 8 KB per piece and routed layer). In passes
+# count (the exported GRET routing's votes alone are 8 KB per piece and routed layer). In passes
 # of this size the encoder costs the same and holds a fraction.
 ENCODE_PIECES = 1024
 

@@ -67,6 +67,16 @@ class ModelConfig:
     def gret(self) -> bool:
         return self.capsule or self.aggregate or self.gate
 
+    @property
+    def routed_layers(self) -> int:
+        """GRET's M: the encoder layers it routes, all of them with `aggregate`, else the last only."""
+        return self.enc_layers if self.aggregate else 1
+
+    @property
+    def routing_logit_scale(self) -> float:
+        """The routing logits' temperature: 1/sqrt(D) with routing_scale, else 1 (the paper's form)."""
+        return self.d_model ** -0.5 if self.routing_scale else 1.0
+
     def validate(self) -> "ModelConfig":
         checks = [
             (self.d_model % self.n_heads == 0, "d_model must be divisible by n_heads"),

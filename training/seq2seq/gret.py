@@ -45,9 +45,6 @@ class GlobalState(nn.Module):
             nn.init.zeros_(self.gru.bias_ih)
             nn.init.zeros_(self.gru.bias_hh)
 
-    @property
-    def routing_logit_scale(self) -> float:
-        return self.cfg.d_model ** -0.5 if self.cfg.routing_scale else 1.0
 
     def pool(self, u: torch.Tensor) -> torch.Tensor:
         """ATP (eqs. 7-9): query from the mean capsule, unscaled attention over K, FFN_o."""
@@ -58,27 +55,28 @@ class GlobalState(nn.Module):
         return self.pool_out((a[:, None] @ u).squeeze(1))
 
     def routed_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The encoder layers that are routed (all of them with `aggregate`, else the last only)."""
+        """The encoder layers that are routed, each as the routing reads it."""
         if not self.cfg.aggregate:
             return views[-1:]
         if self.cfg.pre_norm:  # the last view is already the encoder's final-LN output
             return [self.layer_norm(v) for v in views[:-1]] + views[-1:]
         return views
 
-    def layer_vectors(self, views: list[torch.Tensor], pad: torch.Tensor) -> list[torch.Tensor]:
-        """x^m for the routed layers."""
-        views = self.routed_views(views)
-        if not self.cfg.capsule:
-            xs = [masked_mean(v, pad) for v in views]
-        else:
-            m = len(views)  # routing is independent per layer: run the M layers as M*B sentences
-            u = capsule_routing(torch.cat(views), pad.repeat(m, 1), self.capsule_w,
-                                self.cfg.routing_iters, self.cfg.routing_detach, self.routing_logit_scale)
-            xs = list(self.pool(u).chunk(m))  # chunk, not a reshape: the traced graph keeps B dynamic
+    def routing_input(self, views: list[torch.Tensor], pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed layers of B sentences as M*B sentences (routing is independent per layer),
+        layer-major, and their padding."""
+        return torch.cat(self.routed_views(views)), pad.repeat(self.cfg.routed_layers, 1)
+
+    def capsule_vectors(self, u: torch.Tensor) -> list[torch.Tensor]:
+        """x^m for the routed layers from their capsules U (M*B, K, d_c)."""
+        xs = list(self.pool(u).chunk(self.cfg.routed_layers))  # chunk, not a reshape: the traced graph keeps B dynamic
+        return self.normed(xs)
+
+    def normed(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [self.vector_norm(x) for x in xs] if self.cfg.global_norm else xs
 
-    def forward(self, views: list[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
-        xs = self.layer_vectors(views, pad)
+    def aggregate(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """s^M from the layer vectors x^1..x^M: the layer-wise GRU, or the last one alone."""
         if self.cfg.aggregate:
             s = torch.zeros_like(xs[0])
             for x in xs:
@@ -87,6 +85,14 @@ class GlobalState(nn.Module):
             s = xs[-1]
         s = self.state_norm(s) if self.cfg.global_norm else s
         return F.dropout(s, self.cfg.global_dropout, self.training)
+
+    def forward(self, views: list[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
+        if not self.cfg.capsule:
+            return self.aggregate(self.normed([masked_mean(v, pad) for v in self.routed_views(views)]))
+        h, routed_pad = self.routing_input(views, pad)
+        u = capsule_routing(h, routed_pad, self.capsule_w, self.cfg.routing_iters, self.cfg.routing_detach,
+                            self.cfg.routing_logit_scale)
+        return self.aggregate(self.capsule_vectors(u))
 
 
 class ContextGate(nn.Module):
