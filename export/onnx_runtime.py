@@ -192,6 +192,7 @@ class OnnxModel:
                   for spec in model_specs(self.cfg)}
         self.encoder, self.decoder = graphs["encoder"], graphs["decoder"]
         self.global_graph = graphs.get("global")  # capsule models: s^M after the host's routing
+        self.state_names = [t.name for t in per_sentence(self.cfg)]  # what encode gives, in unflatten_state's order
         self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
 
     def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
@@ -204,12 +205,11 @@ class OnnxModel:
         inputs = {"src_ids": src} | ({"src_tags": src_tags} if self.cfg.pos_tags else {})
         outputs = self.encoder.run(inputs, output_shapes(self.encoder.spec, sizes))
         if self.global_graph is not None:
-            pad = outputs["src_pad"].repeat(self.cfg.routed_layers, 1)  # the groups are layer-major
-            capsules = route_votes(outputs["capsule_votes"].cpu().numpy(), pad.cpu().numpy(), self.cfg.capsules,
-                                   self.cfg.routing_iters, self.cfg.routing_logit_scale)
+            capsules = route_votes(outputs["capsule_votes"].cpu().numpy(), outputs["src_pad"].cpu().numpy(),
+                                   self.cfg.capsules, self.cfg.routing_iters, self.cfg.routing_logit_scale)
             outputs |= self.global_graph.run({"capsules": torch.from_numpy(capsules)},
                                              output_shapes(self.global_graph.spec, sizes))
-        return unflatten_state(self.cfg, [outputs[t.name] for t in per_sentence(self.cfg)])
+        return unflatten_state(self.cfg, [outputs[name] for name in self.state_names])
 
     def decode_step(self, tokens: torch.Tensor, step: int, enc: EncoderState, cache: list | None, beam: int = 1,
                     row_sentence: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:

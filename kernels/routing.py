@@ -86,10 +86,11 @@ def capsule_votes(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
 def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, scale: float) -> np.ndarray:
-    """Algorithm 1 over capsule_votes' u_hat (G, S, K*d_c), float32, C-contiguous; pad (G, S) True
-    = padding, never read. Returns the capsules U (G, K, d_c) as the reference does, up to float32
-    summation order (`reassoc` lets the dot products vectorise). The inner loops index `base + j`:
-    the form Numba vectorises."""
+    """Algorithm 1 over capsule_votes' u_hat (G, S, K*d_c), float32, C-contiguous, for B sentences'
+    M routed layers (G = M*B, layer-major: group g is sentence g % B); pad (B, S) True = padding,
+    never read. Returns the capsules U (G, K, d_c) as the reference does, up to float32 summation
+    order (`reassoc` lets the dot products vectorise). The inner loops index `base + j`: the form
+    Numba vectorises."""
     groups, length, width = votes.shape
     dim, temperature = width // capsules, np.float32(scale)  # float32 throughout, as the reference
     out = np.zeros((groups, capsules, dim), np.float32)
@@ -99,7 +100,8 @@ def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, s
     norm = np.empty(capsules, np.float32)
     total = np.empty(width, np.float32)
     for g in range(groups):
-        tokens = length - pad[g].sum()
+        skip = pad[g % pad.shape[0]]
+        tokens = length - skip.sum()
         if tokens == 0:  # the reference's squashed masked mean of nothing is 0
             continue
         x = votes[g]
@@ -107,16 +109,16 @@ def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, s
         for t in range(iters):
             if t == 0:  # all logits 0: the coupling is uniform
                 for s in range(length):
-                    coupling[s] = 0 if pad[g, s] else np.float32(1.0) / tokens
+                    coupling[s] = 0 if skip[s] else np.float32(1.0) / tokens
             else:  # c_ki = softmax over the sentence's positions of scale * b_ki, per capsule
                 top[:] = -np.inf
                 for s in range(length):
-                    if not pad[g, s]:
+                    if not skip[s]:
                         for k in range(capsules):
                             top[k] = max(top[k], logits[s, k])
                 norm[:] = 0
                 for s in range(length):
-                    if not pad[g, s]:
+                    if not skip[s]:
                         for k in range(capsules):
                             e = np.exp(temperature * (logits[s, k] - top[k]))
                             coupling[s, k] = e
@@ -128,7 +130,7 @@ def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, s
                         coupling[s, k] *= norm[k]
             total[:] = 0  # s_k = sum_i c_ki u_hat_k|i
             for s in range(length):
-                if not pad[g, s]:
+                if not skip[s]:
                     for k in range(capsules):
                         c, base = coupling[s, k], k * dim
                         for j in range(dim):
@@ -142,7 +144,7 @@ def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, s
                     out[g, k, j] = total[base + j] * f
             if t < iters - 1:  # b_ki += u_hat_k|i . u_k
                 for s in range(length):
-                    if not pad[g, s]:
+                    if not skip[s]:
                         for k in range(capsules):
                             a, base = np.float32(0), k * dim
                             for j in range(dim):
