@@ -3,12 +3,12 @@
 Weights become int8 with one scale per output column (per_channel), activations are quantized
 per call at run time. The quantizer rewrites Gemm (a Linear on 2-D input, e.g. GRET's GRU cell)
 as MatMul + Add and quantizes those too, and the capsule projection is one 2-D weight (the
-exported encoder builds the routing's votes, kernels/routing.py). LayerNorm, softmax, attention scores and the
-embedding lookup stay fp32.
+exported encoder builds the routing's votes, kernels/routing.py). LayerNorm, softmax, attention
+scores and the embedding lookup stay fp32.
 
 The int8 graphs sit beside the fp32 ones in the same repository (encoder.int8.onnx,
-decoder.int8.onnx, global.int8.onnx; model.json lists them under onnx.precisions), so one repository serves both
-and the fp32 reference is always there to compare against.
+decoder.int8.onnx, global.int8.onnx; model.json lists them under onnx.precisions), so one
+repository serves both and the fp32 reference is always there to compare against.
 """
 from __future__ import annotations
 
