@@ -196,7 +196,7 @@ def ops_part(args, setups: dict) -> dict:
     out = {}
     for name, (make, sources) in setups.items():
         engine = make()
-        graphs = {"encoder": engine.backend.encoder, "decoder": engine.backend.decoder}
+        graphs = engine.backend.graphs
         for graph in graphs.values():
             profiled(graph)
         closed_loop(engine, sources, in_flight, texts)

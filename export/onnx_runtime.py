@@ -188,10 +188,10 @@ class OnnxModel:
         self.cfg = ModelConfig.from_dict(self.manifest["model_config"])
         self.device = torch.device(device or default_device())
         files = precisions[precision]
-        graphs = {spec.name: OnnxGraph(directory / files[spec.name], spec, self.device, threads)
-                  for spec in model_specs(self.cfg)}
-        self.encoder, self.decoder = graphs["encoder"], graphs["decoder"]
-        self.global_graph = graphs.get("global")  # capsule models: s^M after the host's routing
+        self.graphs = {spec.name: OnnxGraph(directory / files[spec.name], spec, self.device, threads)
+                       for spec in model_specs(self.cfg)}
+        self.encoder, self.decoder = self.graphs["encoder"], self.graphs["decoder"]
+        self.global_graph = self.graphs.get("global")  # capsule models: s^M after the host's routing
         self.state_names = [t.name for t in per_sentence(self.cfg)]  # what encode gives, in unflatten_state's order
         self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
 

@@ -94,7 +94,8 @@ def encoder_spec(cfg: ModelConfig) -> GraphSpec:
     weights = ["embed.", "tag_embed.", "src_in.", "encoder.", "multiview."]
     weights += [f"decoder.{i}.cross_attn.{p}." for i in range(cfg.dec_layers) for p in "kv"]
     if cfg.capsule:
-        outputs = [t for t in outputs if t not in global_outputs(cfg)]
+        routed_on = global_outputs(cfg)  # computed after the host's routing, by the global graph
+        outputs = [t for t in outputs if t not in routed_on]
         outputs.append(TensorSpec("capsule_votes", "float32", ("groups", "src_len", cfg.capsules * cfg.capsule_dim)))
         weights += ["global_state.capsule_w", "global_state.layer_norm."]
     else:

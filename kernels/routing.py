@@ -11,10 +11,9 @@ Three exact forms of the same math, each where it is cheapest:
   runs the r iterations over it on the host, compiled by Numba, between the encoder graph and the
   graph of the global state (export/graphs.py). Per iteration that is a softmax over S per
   capsule, a weighted sum and an agreement dot, G*K*S*d_c multiply-adds each: too few for ONNX
-  Runtime's batched matmuls, which paid their fixed cost G*K times per op (an int8 GRET encoder
-  pass of two 18-token sentences took 1.78 ms with the iterations as graph ops, 1.51 ms with them
-  here). The factorised form does S/(2r-1) times fewer multiply-adds, but as ONNX operators its
-  per-capsule GEMMs of a few rows each stay fp32 and cost more than the one int8 GEMM.
+  Runtime's batched matmuls, which paid their fixed cost G*K times per op. The factorised form
+  does S/(2r-1) times fewer multiply-adds, but as ONNX operators its per-capsule GEMMs of a few
+  rows each stay fp32 and cost more than the one int8 GEMM.
 - the Triton kernels, on CUDA, below.
 
 Triton (2r launches for r iterations, all buffers in the input dtype, fp32 accumulation):

@@ -59,7 +59,7 @@ class OnnxBackend(OnnxModel):
 
     def __init__(self, repository: Path, precision: str = "fp32", threads: int = 1):
         super().__init__(repository, precision=precision, device="cpu", threads=threads)
-        for graph in (self.encoder, self.decoder):
+        for graph in self.graphs.values():
             check_signature(graph, Path(repository))
 
 

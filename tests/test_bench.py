@@ -191,9 +191,11 @@ def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_re
     cold = result["graph"]["vanilla"]["int8"]["cold_ms"]  # the same step with its memory evicted first
     assert len(cold) == 2 and all(ms > 0 for ms in cold)
     assert set(result["ops"]) == {"tiny-en-de", "de-en"}
-    for f in result["ops"].values():  # the profiled loop ran both graphs, the self-attention among the decoder's ops
-        assert f["in_flight"] == 4 and set(f["ms_per_text"]) == {"encoder", "decoder"}
-        assert f["ms_per_text"]["decoder"]["GroupQueryAttention"] > 0 and sum(f["ms_per_text"]["encoder"].values()) > 0
+    for f in result["ops"].values():  # the profiled loop ran every graph (a capsule model's global one too)
+        graphs = set(f["ms_per_text"])
+        assert f["in_flight"] == 4 and graphs in ({"encoder", "decoder"}, {"encoder", "global", "decoder"})
+        assert f["ms_per_text"]["decoder"]["GroupQueryAttention"] > 0
+        assert all(sum(ops.values()) > 0 for ops in f["ms_per_text"].values())
     assert (tmp_path / "bench-step.png").read_bytes().startswith(PNG)
 
     page = tmp_path / "BENCHMARKS.md"

@@ -192,6 +192,21 @@ def test_the_servers_backend_stays_on_the_cpu_where_onnx_runtime_could_take_a_gp
     assert backend.device.type == "cpu" and backend.decoder.session.get_providers() == ["CPUExecutionProvider"]
 
 
+def test_the_servers_backend_checks_every_graph_against_model_json_the_global_one_too(tmp_path, spm_bytes):
+    """A capsule model's model.json that swaps K and d_c keeps the votes' width K*d_c, so the encoder
+    and decoder graphs still fit it: only the global graph, whose input is (groups, K, d_c), shows the
+    disagreement, and the start must stop there rather than fail every request."""
+    from server.backends import OnnxBackend
+
+    model, _ = export_tiny("gret_full", tmp_path, spm_bytes)
+    path = tmp_path / "repo" / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["model_config"] |= {"capsules": model.cfg.capsule_dim, "capsule_dim": model.cfg.capsules}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="global graph: capsules"):
+        OnnxBackend(tmp_path / "repo")
+
+
 def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path, spm_bytes):
     """The beam search's candidates are chosen inside the decoder graph: each row's top_k best
     log-probabilities and tokens, best first, exactly what TopK over the step's log_probs gives
