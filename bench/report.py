@@ -300,11 +300,7 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
         table(["system", "texts/s (median)", "texts/s per round", "p50 ms per round"], rows),
         table(["ratio", "median", "per round"],
               [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"])] for k in med]),
-        (f"`engine-offline`: the server's engine without gRPC ({data.get('engine_setting', '?')}), every text of "
-         f"the round submitted at once. Its busy time by phase (median round): "
-         + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in data['rounds']):.0f}%"
-                      for k in data["rounds"][0]["engine-offline"]["busy_share"]) + ". " + top_k_note(s)
-         if "engine-offline" in data["rounds"][0] else ""),
+        engine_note(data, s),
         f"Resident memory at the end: {memory}.",
         cpu_split(data),
         "### Throughput against callers",
@@ -315,6 +311,25 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
         targets_table(data["targets"]),
     ]
     return "\n\n".join(p for p in parts if p)
+
+
+def engine_note(data: dict, settings: dict) -> str:
+    """What the offline engines are, and where the defaults' busy time goes."""
+    rounds = data["rounds"]
+    if "engine-offline" not in rounds[0]:
+        return ""
+    engines = data.get("engine_settings") or {"engine-offline": data.get("engine_setting", "?")}
+    share = rounds[0]["engine-offline"]["busy_share"]
+    note = (f"`engine-offline`: the server's engine without gRPC ({engines['engine-offline']}), every text of the "
+            f"round submitted at once. Its busy time by phase (median round): "
+            + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in rounds):.0f}%"
+                         for k in share) + ". ")
+    if "engine-offline-wide" in engines:
+        note += (f"`engine-offline-wide`: the same engine with a batch twice as wide ({engines['engine-offline-wide']}), "
+                 f"as an offline job would run it; `engine_vs_ct2` takes the faster of the two offline engines in "
+                 f"each round (the server keeps the narrower default for the latency of a text that joins a busy "
+                 f"batch: 'One-text calls behind a backlog' below). ")
+    return note + top_k_note(settings)
 
 
 def cpu_split(data: dict) -> str:
