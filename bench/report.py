@@ -299,7 +299,8 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
             if "server_ct2_vs_ct2" in med else "")),
         table(["system", "texts/s (median)", "texts/s per round", "p50 ms per round"], rows),
         table(["ratio", "median", "per round"],
-              [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"])] for k in med]),
+              [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"]) if k in data["rounds"][0]["ratios"]
+                else "the better of the two offline engines' medians"] for k in med]),
         engine_note(data, s),
         f"Resident memory at the end: {memory}.",
         cpu_split(data),
@@ -326,8 +327,8 @@ def engine_note(data: dict, settings: dict) -> str:
                          for k in share) + ". ")
     if "engine-offline-wide" in engines:
         note += (f"`engine-offline-wide`: the same engine with a batch twice as wide ({engines['engine-offline-wide']}), "
-                 f"as an offline job would run it; `engine_vs_ct2` takes the faster of the two offline engines in "
-                 f"each round (the server keeps the narrower default for the latency of a text that joins a busy "
+                 f"as an offline job would run it; `best_engine_vs_ct2` is the better of the two engines' "
+                 f"medians (the server keeps the narrower default for the latency of a text that joins a busy "
                  f"batch: 'One-text calls behind a backlog' below). ")
     return note + top_k_note(settings)
 

@@ -11,8 +11,8 @@ machine load:
      once) splits the time: server / engine is what gRPC and dispatch cost, the engine's busy time
      by phase (encoder, decoder, search, cache) is where the rest goes. The same engine once more
      with a batch twice as wide (engine-offline-wide, WIDE_BUDGET) is the offline engine at its
-     best; engine / CTranslate2 takes the faster of the two. Each server round also
-     splits its own CPU per text: the client, the server's parent process (gRPC, the text
+     best; the best engine / CTranslate2 is the better of the two settings' medians. Each server
+     round also splits its own CPU per text: the client, the server's parent process (gRPC, the text
      pipeline, dispatch to the workers), the worker processes and their engine loops' phases,
      read from the server's metrics. Medians over rounds, and the ratios per round. The same
      server with `--backend ct2` (CTranslate2's own engine and replicas behind our gRPC service)
@@ -65,7 +65,7 @@ BEAM, CALLERS, CT2_BATCH = 4, 64, 32
 # The server keeps its default for the latency of a text that joins a busy batch.
 WIDE_BUDGET = 2 * ServerConfig().max_batch_tokens
 SWEEP = (1, 4, 16, 64, 256)
-TARGETS = {"server_vs_ct2": 1.0, "engine_vs_ct2": 1.0, "gret_vs_vanilla": 0.9}
+TARGETS = {"server_vs_ct2": 1.0, "best_engine_vs_ct2": 1.0, "gret_vs_vanilla": 0.9}
 
 
 def window(seconds: float, warmup: float) -> Plan:
@@ -259,13 +259,13 @@ def measure(args, log_dir: Path) -> dict:
                     row[name] = asyncio.run(load(server, model, texts, CALLERS, plan))
                 print(f"round {r} {name:18s} {row[name]['texts_per_s']:8.2f} texts/s", flush=True)
             best = max(ct2, key=lambda n: row[n]["texts_per_s"])
-            best_engine = max(engines, key=lambda n: row[n]["texts_per_s"])
             row["ratios"] = {"server_vs_ct2": round(row["server-vanilla"]["texts_per_s"] / row[best]["texts_per_s"], 3),
                              "ct2_best": best,
                              "server_vs_engine": round(row["server-vanilla"]["texts_per_s"]
                                                        / row["engine-offline"]["texts_per_s"], 3),
-                             "engine_best": best_engine,
-                             "engine_vs_ct2": round(row[best_engine]["texts_per_s"] / row[best]["texts_per_s"], 3),
+                             "engine_vs_ct2": round(row["engine-offline"]["texts_per_s"] / row[best]["texts_per_s"], 3),
+                             "engine_wide_vs_ct2": round(row["engine-offline-wide"]["texts_per_s"]
+                                                         / row[best]["texts_per_s"], 3),
                              "gret_vs_vanilla": round(row["server-gret"]["texts_per_s"]
                                                       / row["server-vanilla"]["texts_per_s"], 3),
                              "server_ct2_vs_ct2": round(row["server-ct2"]["texts_per_s"] / row[best]["texts_per_s"], 3)}
@@ -287,11 +287,19 @@ def measure(args, log_dir: Path) -> dict:
         for server, _ in servers.values():
             server.stop()
     return {"rounds": rounds, "engine_settings": {name: e.setting for name, e in engines.items()}, "sweep": sweep, "resident_mb": memory, "cores": cores,
-            "medians": {key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
-                        for key in ("server_vs_ct2", "engine_vs_ct2", "gret_vs_vanilla", "server_vs_engine",
-                                    "server_ct2_vs_ct2")},
+            "medians": medians(rounds),
             "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
                             for name in rounds[0] if name != "ratios"}}
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Each ratio's median over the rounds, and the best offline engine's: the engine setting whose
+    median is higher (chosen over the whole run: the faster of two settings in each round would
+    favour whichever one the noise of that round lifted)."""
+    keys = ("server_vs_ct2", "engine_vs_ct2", "engine_wide_vs_ct2", "gret_vs_vanilla", "server_vs_engine",
+            "server_ct2_vs_ct2")
+    out = {key: round(statistics.median(r["ratios"][key] for r in rounds), 3) for key in keys}
+    return {**out, "best_engine_vs_ct2": max(out["engine_vs_ct2"], out["engine_wide_vs_ct2"])}
 
 
 def resident_mb(server: ServerProcess) -> dict:
