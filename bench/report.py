@@ -440,7 +440,9 @@ def ops_parts(ops: dict | None) -> list[str]:
              "encoder and decoder sessions; each operator type's kernel time in ms per text (the sessions' own "
              "fused operators: `DynamicQuantizeMatMul` and `MatMulIntegerToFloat` are the int8 projections, "
              "`GroupQueryAttention` the self-attention over the cache; `FusedMatMul` and `MatMul` are mostly the "
-             "decoder's cross-attention and, in a GRET encoder, its capsule routing)."),
+             "decoder's cross-attention and, in a GRET encoder, its capsule routing). The profiler adds its own "
+             "cost to each node it times, so a small operator reads larger here than it runs: time it alone, on the "
+             "same shapes, before choosing what to optimise."),
             table(["operator"] + [f"`{name}` {g}" for name, g in columns], rows)]
 
 
