@@ -319,17 +319,15 @@ def engine_note(data: dict, settings: dict) -> str:
     rounds = data["rounds"]
     if "engine-offline" not in rounds[0]:
         return ""
-    engines = data.get("engine_settings") or {"engine-offline": data.get("engine_setting", "?")}
-    share = rounds[0]["engine-offline"]["busy_share"]
+    engines = data["engine_settings"]
     note = (f"`engine-offline`: the server's engine without gRPC ({engines['engine-offline']}), every text of the "
             f"round submitted at once. Its busy time by phase (median round): "
             + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in rounds):.0f}%"
-                         for k in share) + ". ")
-    if "engine-offline-wide" in engines:
-        note += (f"`engine-offline-wide`: the same engine with a batch twice as wide ({engines['engine-offline-wide']}), "
-                 f"as an offline job would run it; `best_engine_vs_ct2` is the better of the two engines' "
-                 f"medians (the server keeps the narrower default for the latency of a text that joins a busy "
-                 f"batch: 'One-text calls behind a backlog' below). ")
+                         for k in rounds[0]["engine-offline"]["busy_share"]) + ". ")
+    note += (f"`engine-offline-wide`: the same engine with a batch twice as wide ({engines['engine-offline-wide']}), "
+             f"as an offline job would run it; `best_engine_vs_ct2` is the better of the two engines' medians (the "
+             f"server keeps the narrower default for the latency of a text that joins a busy batch: 'One-text calls "
+             f"behind a backlog' below). ")
     return note + top_k_note(settings)
 
 

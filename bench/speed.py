@@ -60,8 +60,7 @@ from training.seq2seq.inputs import encode_source
 
 BEAM, CALLERS, CT2_BATCH = 4, 64, 32
 # The offline engine's wider admission budget: twice the server's default. Offline, nothing waits on
-# a step, and continuous batching wastes no row on padding, so a wider batch is faster per text;
-# CTranslate2's own batches (padded to their longest sentence) were slower at 64 and 128 than at 32.
+# a step, and continuous batching spends no row on padding, so a wider batch costs less per text.
 # The server keeps its default for the latency of a text that joins a busy batch.
 WIDE_BUDGET = 2 * ServerConfig().max_batch_tokens
 SWEEP = (1, 4, 16, 64, 256)
@@ -286,8 +285,8 @@ def measure(args, log_dir: Path) -> dict:
         floor.stop()
         for server, _ in servers.values():
             server.stop()
-    return {"rounds": rounds, "engine_settings": {name: e.setting for name, e in engines.items()}, "sweep": sweep, "resident_mb": memory, "cores": cores,
-            "medians": medians(rounds),
+    return {"rounds": rounds, "engine_settings": {name: e.setting for name, e in engines.items()}, "sweep": sweep,
+            "resident_mb": memory, "cores": cores, "medians": medians(rounds),
             "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
                             for name in rounds[0] if name != "ratios"}}
 
