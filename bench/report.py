@@ -296,11 +296,13 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
          f"the per-round ratios (the server over the better CTranslate2 setting of that round)."
          + (" `server-ct2` is the vanilla server with `--backend ct2`: CTranslate2's own engine and replicas behind "
             "our gRPC service, so `server_ct2_vs_ct2` is what the service around an engine costs, whatever the engine."
-            if "server_ct2_vs_ct2" in med else "")),
+            if "server_ct2_vs_ct2" in med else "")
+         + "".join(f" `server-vanilla {flags}` is the vanilla server with `{flags}` on top of its defaults, in "
+                   f"the same rounds (its ratio: `server_vs_ct2` followed by its flags)."
+                   for flags in s.get("compare", []))),
         table(["system", "texts/s (median)", "texts/s per round", "p50 ms per round"], rows),
         table(["ratio", "median", "per round"],
-              [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"]) if k in data["rounds"][0]["ratios"]
-                else "the better of the two offline engines' medians"] for k in med]),
+              [[k, med[k], " / ".join(str(r["ratios"][k]) for r in data["rounds"])] for k in med]),
         engine_note(data, s),
         f"Resident memory at the end: {memory}.",
         cpu_split(data),
@@ -315,19 +317,14 @@ def speed_section(data: dict, results: Path, out: Path) -> str:
 
 
 def engine_note(data: dict, settings: dict) -> str:
-    """What the offline engines are, and where the defaults' busy time goes."""
+    """What the offline engine is, and where its busy time goes."""
     rounds = data["rounds"]
     if "engine-offline" not in rounds[0]:
         return ""
-    engines = data["engine_settings"]
-    note = (f"`engine-offline`: the server's engine without gRPC ({engines['engine-offline']}), every text of the "
-            f"round submitted at once. Its busy time by phase (median round): "
+    note = (f"`engine-offline`: the server's engine without gRPC ({data['engine_settings']['engine-offline']}), every "
+            f"text of the round submitted at once. Its busy time by phase (median round): "
             + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in rounds):.0f}%"
                          for k in rounds[0]["engine-offline"]["busy_share"]) + ". ")
-    note += (f"`engine-offline-wide`: the same engine with a batch twice as wide ({engines['engine-offline-wide']}), "
-             f"as an offline job would run it; `best_engine_vs_ct2` is the better of the two engines' medians (the "
-             f"server keeps the narrower default for the latency of a text that joins a busy batch: 'One-text calls "
-             f"behind a backlog' below). ")
     return note + top_k_note(settings)
 
 

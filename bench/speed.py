@@ -9,16 +9,17 @@ machine load:
      replica x all threads and all replicas x one thread. The same load on the GRET model gives
      GRET / vanilla. The same engine without gRPC (built with the server's defaults, all texts at
      once) splits the time: server / engine is what gRPC and dispatch cost, the engine's busy time
-     by phase (encoder, decoder, search, cache) is where the rest goes. The same engine once more
-     with a batch twice as wide (engine-offline-wide, WIDE_BUDGET) is the offline engine at its
-     best; the best engine / CTranslate2 is the better of the two settings' medians. Each server
-     round also splits its own CPU per text: the client, the server's parent process (gRPC, the text
+     by phase (encoder, decoder, search, cache) is where the rest goes. Each server round also
+     splits its own CPU per text: the client, the server's parent process (gRPC, the text
      pipeline, dispatch to the workers), the worker processes and their engine loops' phases,
      read from the server's metrics. Medians over rounds, and the ratios per round. The same
      server with `--backend ct2` (CTranslate2's own engine and replicas behind our gRPC service)
      splits the gap to CTranslate2 offline: what the service around an engine costs, whatever
      the engine. `grpc-floor` (bench.grpc_floor) takes the same load with no model behind the
-     service: its CPU per call is what gRPC alone costs the client and the service.
+     service: its CPU per call is what gRPC alone costs the client and the service. Each
+     `--compare FLAGS` adds the vanilla server with those flags on top of its defaults, in the same
+     rounds (`server-vanilla FLAGS`, its own ratio to CTranslate2): what a setting would change,
+     measured beside the defaults rather than in another run.
   2. the sweep: texts/s against the number of callers (1, 4, 16, 64, 256) for the server with
      defaults and for CTranslate2 answering each caller's one sentence itself (all replicas x one
      thread; callers are threads, CTranslate2 releases the GIL). One caller's p50 latency is the
@@ -33,6 +34,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -59,12 +61,8 @@ from training.seq2seq.checkpoint import load_checkpoint
 from training.seq2seq.inputs import encode_source
 
 BEAM, CALLERS, CT2_BATCH = 4, 64, 32
-# The offline engine's wider admission budget: twice the server's default. Offline, nothing waits on
-# a step, and continuous batching spends no row on padding, so a wider batch costs less per text.
-# The server keeps its default for the latency of a text that joins a busy batch.
-WIDE_BUDGET = 2 * ServerConfig().max_batch_tokens
 SWEEP = (1, 4, 16, 64, 256)
-TARGETS = {"server_vs_ct2": 1.0, "best_engine_vs_ct2": 1.0, "gret_vs_vanilla": 0.9}
+TARGETS = {"server_vs_ct2": 1.0, "engine_vs_ct2": 1.0, "gret_vs_vanilla": 0.9}
 
 
 def window(seconds: float, warmup: float) -> Plan:
@@ -122,23 +120,23 @@ def point(latencies: list[float], seconds: float) -> dict:
 
 # ---- our engine without gRPC ---------------------------------------------------------------------
 class EngineOffline:
-    """The server's engine, built as `python -m server` builds it with its defaults (or another
-    admission budget: `max_batch_tokens`), driven in this process: no gRPC. Each round submits all
-    its texts at once; the busy time is split by phase (thread-seconds summed over the loops), which
-    says where the server's time goes."""
+    """The server's engine, built as `python -m server` builds it with its defaults, driven in this
+    process: no gRPC. Each round submits all its texts at once, in calls as large as the server
+    takes; they may fill the whole budget (bulk share 1: no one-text call waits behind an offline
+    job). The busy time is split by phase (thread-seconds summed over the loops), which says where
+    the server's time goes."""
 
-    def __init__(self, args, max_batch_tokens: int | None = None):
+    def __init__(self, args):
         from server.catalog import load_entry
         from server.pipeline import build_pipeline
 
         config = ServerConfig()
-        budget = max_batch_tokens or config.max_batch_tokens
         entry = load_entry(args.models_dir / args.model, config.backend, args.build_cache)
         self.pipeline = build_pipeline(entry, config.backend, config.precision, config.threads, config.batching,
-                                       budget, config.max_queue, 0, config.limits(),
-                                       workers=config.loops(), replicas=config.replicas)
+                                       config.max_batch_tokens, config.max_queue, 0, config.limits(),
+                                       workers=config.loops(), replicas=config.replicas, bulk_share=1.0)
         self.setting = (f"{config.backend} {self.pipeline.precision}, {config.loops()} {config.replicas} loop(s) "
-                        f"x {config.threads} thread(s), --max-batch-tokens {budget}")
+                        f"x {config.threads} thread(s), --max-batch-tokens {config.max_batch_tokens}, bulk share 1")
         if isinstance(self.pipeline.engine, WorkerReplicas):  # thread loops are driven by run_until_idle itself
             self.pipeline.engine.start()
 
@@ -233,7 +231,10 @@ def measure(args, log_dir: Path) -> dict:
     servers = {"server-vanilla": (start_server("vanilla", args.model, args, log_dir), args.model),
                "server-gret": (start_server("gret", args.gret, args, log_dir), args.gret),
                "server-ct2": (start_server("ct2", args.model, args, log_dir, ("--backend", "ct2")), args.model)}
-    engines = {"engine-offline": EngineOffline(args), "engine-offline-wide": EngineOffline(args, WIDE_BUDGET)}
+    for flags in args.compare:
+        servers[f"server-vanilla {flags}"] = (start_server("compare", args.model, args, log_dir,
+                                                           tuple(shlex.split(flags))), args.model)
+    engines = {"engine-offline": EngineOffline(args)}
     floor = ServerProcess("grpc-floor", [], log_dir, {}, module="bench.grpc_floor")
     rounds = []
     try:
@@ -263,11 +264,11 @@ def measure(args, log_dir: Path) -> dict:
                              "server_vs_engine": round(row["server-vanilla"]["texts_per_s"]
                                                        / row["engine-offline"]["texts_per_s"], 3),
                              "engine_vs_ct2": round(row["engine-offline"]["texts_per_s"] / row[best]["texts_per_s"], 3),
-                             "engine_wide_vs_ct2": round(row["engine-offline-wide"]["texts_per_s"]
-                                                         / row[best]["texts_per_s"], 3),
                              "gret_vs_vanilla": round(row["server-gret"]["texts_per_s"]
                                                       / row["server-vanilla"]["texts_per_s"], 3),
-                             "server_ct2_vs_ct2": round(row["server-ct2"]["texts_per_s"] / row[best]["texts_per_s"], 3)}
+                             "server_ct2_vs_ct2": round(row["server-ct2"]["texts_per_s"] / row[best]["texts_per_s"], 3),
+                             **{compared(flags): round(row[f"server-vanilla {flags}"]["texts_per_s"]
+                                                       / row[best]["texts_per_s"], 3) for flags in args.compare}}
             rounds.append(row)
         sweep = {"server": {}, "ct2": {}}
         sweep_plan = window(args.sweep_seconds, args.warmup)
@@ -286,19 +287,21 @@ def measure(args, log_dir: Path) -> dict:
         for server, _ in servers.values():
             server.stop()
     return {"rounds": rounds, "engine_settings": {name: e.setting for name, e in engines.items()}, "sweep": sweep,
-            "resident_mb": memory, "cores": cores, "medians": medians(rounds),
+            "resident_mb": memory, "cores": cores, "medians": medians(rounds, args.compare),
             "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
                             for name in rounds[0] if name != "ratios"}}
 
 
-def medians(rounds: list[dict]) -> dict:
-    """Each ratio's median over the rounds, and the best offline engine's: the engine setting whose
-    median is higher (chosen over the whole run: the faster of two settings in each round would
-    favour whichever one the noise of that round lifted)."""
-    keys = ("server_vs_ct2", "engine_vs_ct2", "engine_wide_vs_ct2", "gret_vs_vanilla", "server_vs_engine",
-            "server_ct2_vs_ct2")
-    out = {key: round(statistics.median(r["ratios"][key] for r in rounds), 3) for key in keys}
-    return {**out, "best_engine_vs_ct2": max(out["engine_vs_ct2"], out["engine_wide_vs_ct2"])}
+def compared(flags: str) -> str:
+    """The ratio of the vanilla server with `flags` to CTranslate2."""
+    return f"server_vs_ct2 {flags}"
+
+
+def medians(rounds: list[dict], compare: list[str]) -> dict:
+    """Each ratio's median over the rounds (each compared server's too)."""
+    keys = ("server_vs_ct2", "engine_vs_ct2", "gret_vs_vanilla", "server_vs_engine", "server_ct2_vs_ct2")
+    return {key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
+            for key in keys + tuple(map(compared, compare))}
 
 
 def resident_mb(server: ServerProcess) -> dict:
@@ -343,6 +346,8 @@ def main(argv=None) -> int:
     p.add_argument("--build-cache", type=Path, help="the servers' build cache (default: theirs)")
     p.add_argument("--quick", action="store_true", help="a smoke run: one short round")
     p.add_argument("--note", default="", help="recorded with the results (e.g. 'training paused with SIGSTOP')")
+    p.add_argument("--compare", action="append", default=[], metavar="FLAGS",
+                   help="also the vanilla server with these flags on top of its defaults (repeatable)")
     add_publish(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -357,7 +362,7 @@ def main(argv=None) -> int:
                "settings": {"model": args.model, "gret": args.gret, "beam": BEAM, "callers": CALLERS,
                             "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup,
                             "ct2_batch": CT2_BATCH, "ct2_texts": args.ct2_texts, "sweep": SWEEP,
-                            "top_k_phase": TOP_K_PHASE},
+                            "top_k_phase": TOP_K_PHASE, "compare": args.compare},
                "targets": {k: {"target": v, "measured": measured["medians"][k],
                                "met": measured["medians"][k] >= v} for k, v in TARGETS.items()},
                **measured}

@@ -47,8 +47,9 @@ class ServerConfig:
     workers: int = 0  # engine loops per model, each with its own running batch (uses workers x threads cores); 0: one per CPU core this process may use
     replicas: str = "process"  # what runs each engine loop: process (a worker process with its own model session: loops do not share the GIL) or thread (threads sharing one session); ct2 uses CTranslate2's own replicas
     batching: str = "continuous"  # continuous: admit at every decoder step; request: only into an empty batch; none: one text at a time
-    max_batch_tokens: int = 8192  # admission budget of each engine loop, what its batch's caches hold: the sum over its texts of beam x (source + the batch's longest output limit); a larger batch decodes more texts per second up to a point, and each of them more slowly (python -m bench server --scenario backlog)
+    max_batch_tokens: int = 16384  # admission budget of each engine loop, what its batch's caches hold: the sum over its texts of beam x (source + the batch's longest output limit); a larger batch decodes more texts per second up to a point (python -m bench speed), and each of them more slowly (python -m bench server --scenario backlog)
     max_queue: int = 1024  # texts waiting per model; beyond it RESOURCE_EXHAUSTED
+    max_bulk_share: float = 0.5  # calls of several texts (batch and stream calls) fill at most this share of an engine loop's admission budget; one-text calls may fill the rest, so that a one-text call behind a backlog joins a batch that steps fast; 1: no limit
     max_call_share: float = 0.05  # per-call cap: while other calls of its priority wait, a call holding this share of an engine loop's admission budget gets no more texts admitted (the room its finished texts free goes to the others); 1: no cap
     cache_mb: int = 256  # encoder caches of all models together, split equally (deploy/k8s sizes the pod with it)
     result_cache: int = 10000  # finished results kept per model, answered again without decoding (0: off)
@@ -94,6 +95,8 @@ class ServerConfig:
             problems.append("result_cache and cache_mb must not be negative")
         if not 0 < self.max_call_share <= 1:
             problems.append(f"max_call_share must be above 0 and at most 1 (1: no cap), got {self.max_call_share}")
+        if not 0 < self.max_bulk_share <= 1:
+            problems.append(f"max_bulk_share must be above 0 and at most 1 (1: no limit), got {self.max_bulk_share}")
         if self.device == "cuda" and self.backend != "torch":
             problems.append(f"device cuda needs backend torch (the {self.backend} backend decodes on the CPU here)")
         elif self.device == "cuda" and not torch.cuda.is_available():

@@ -301,12 +301,14 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
                    policy: str = "continuous", max_batch_tokens: int = 16384, max_queue: int = 1024,
                    cache_bytes: int = 256 << 20, limits: Limits = Limits(),
                    observer: Observer | None = None, workers: int = 1, result_cache: int = 0,
-                   replicas: str = "thread", call_share: float = 1.0, device: str = "cpu") -> Pipeline:
+                   replicas: str = "thread", call_share: float = 1.0, device: str = "cpu",
+                   bulk_share: float = 1.0) -> Pipeline:
     """`workers` engine loops of `threads` intra-op threads each: threads of this process sharing
     one backend (Replicas), or worker processes with a backend each (WorkerReplicas; the encoder
-    cache split between them). The batch budget, the per-call cap (call_share of it) and the queue
-    are per loop, the queue split so that the model still queues max_queue. The result cache stays
-    here, in front of the loops. Worker processes decode on the CPU."""
+    cache split between them). The batch budget, the per-call cap (call_share of it), the part for
+    calls of several texts (bulk_share of it) and the queue are per loop, the queue split so that the
+    model still queues max_queue. The result cache stays here, in front of the loops. Worker
+    processes decode on the CPU."""
     precision = resolve_precision(entry, precision)
     queue = -(-max_queue // workers)
     results = ResultCache(result_cache)
@@ -315,18 +317,19 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
             raise ModelError(f"device {device}: the engine loops must be threads of this process, not worker processes")
         make_backend(entry, backend, precision, threads)  # opened once here: a broken model stops the start
         spec = WorkerSpec(entry.name, entry.version, entry.repository, entry.checkpoint, backend, precision, threads,
-                          policy, max_batch_tokens, queue, cache_bytes // workers, call_share)
+                          policy, max_batch_tokens, queue, cache_bytes // workers, call_share, bulk_share)
         return Pipeline(entry, WorkerReplicas(spec, workers, results, observer), limits, backend, precision)
     model = make_backend(entry, backend, precision, threads, workers, device)
+    scheduler = lambda policy: Scheduler(policy, max_batch_tokens, queue, call_share, bulk_share)  # noqa: E731
     if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
         cache = EncoderCache(0)
-        engines = [Ct2Engine(model, entry.version, Scheduler("request", max_batch_tokens, queue, call_share), cache,
-                             observer, entry.name, results) for _ in range(workers)]
+        engines = [Ct2Engine(model, entry.version, scheduler("request"), cache, observer, entry.name, results)
+                   for _ in range(workers)]
     else:
         warm_up(model)
         cache = EncoderCache(cache_bytes)
-        engines = [Engine(model, entry.version, Scheduler(policy, max_batch_tokens, queue, call_share), cache,
-                          observer, entry.name, results) for _ in range(workers)]
+        engines = [Engine(model, entry.version, scheduler(policy), cache, observer, entry.name, results)
+                   for _ in range(workers)]
     return Pipeline(entry, engines[0] if workers == 1 else Replicas(engines), limits, backend, precision)
 
 

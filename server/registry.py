@@ -43,7 +43,7 @@ class Registry:
                     entry, config.backend, config.precision, config.threads, config.batching,
                     config.max_batch_tokens, config.max_queue, cache_bytes, config.limits(),
                     metrics.observer(entry.name) if metrics else None, config.loops(), config.result_cache,
-                    config.replica_kind(), config.max_call_share, config.device)
+                    config.replica_kind(), config.max_call_share, config.device, config.max_bulk_share)
             except Exception as e:  # whatever breaks loading (safetensors, ONNX Runtime, ...) is this folder's problem
                 problem = str(e) if isinstance(e, ModelError) else f"{folder}: {type(e).__name__}: {e}"
                 if not config.skip_bad_models:

@@ -497,6 +497,33 @@ def test_the_cap_never_keeps_a_call_waiting_while_nobody_else_does():
     assert scheduler.admit(running[:8]) == a[10:]  # holds 80, far over its share: alone, it still goes
 
 
+
+def test_calls_of_several_texts_fill_their_share_of_the_budget_and_one_text_calls_the_rest():
+    """bulk_share 0.5 of a budget of 100: a call of ten texts is admitted up to 50, and one-text
+    calls that arrive behind it take the other half at once; past the whole budget nobody joins.
+    The calls of several texts hold their half among themselves, whatever the one-text calls hold."""
+    scheduler = Scheduler(max_batch_tokens=100, bulk_share=0.5)
+    scheduler.add(bulk := texts(10))
+    running = scheduler.admit([])
+    assert running == bulk[:5]
+    assert scheduler.admit(running) == []  # the bulk call waits although half the budget is free
+    singles = [texts(1) for _ in range(6)]
+    for one in singles:
+        scheduler.add(one)
+    admitted = scheduler.admit(running)
+    assert admitted == [one[0] for one in singles[:5]]
+    assert scheduler.admit(running + admitted) == []  # the whole budget held: nobody joins
+    assert scheduler.admit(running[1:] + admitted) == bulk[5:6]  # the room a bulk text left is bulk's again
+    assert scheduler.admit(running + admitted[1:]) == singles[5]  # a one-text call's room is not
+
+
+def test_a_bulk_text_wider_than_its_share_still_runs_alone():
+    scheduler = Scheduler(max_batch_tokens=100, bulk_share=0.5)
+    scheduler.add(bulk := texts(2, budget=60))
+    assert scheduler.admit([]) == bulk[:1]
+    assert scheduler.admit(bulk[:1]) == []
+    assert scheduler.admit([]) == bulk[1:]
+
 def wide(beam: int, source: int, limit: int, priority: int = 0) -> Sequence:
     return Sequence([1] * source, DecodingOptions(beam=beam), limit, on_done=lambda s: None, priority=priority)
 

@@ -554,9 +554,9 @@ class StepLog:
 @pytest.fixture(scope="module")
 def roomy(served_models):
     """A server with the default limits (long outputs allowed) and one model; a budget that lets
-    beside_a_running_call's 16 long beam-4 texts join the batch at once."""
+    beside_a_running_call's 16 long beam-4 texts join the batch at once (the whole budget: no bulk share)."""
     running = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=["tiny-de-en"],
-                                       max_batch_tokens=16384))
+                                       max_batch_tokens=16384, max_bulk_share=1.0))
     yield running
     running.stop()
 
@@ -792,10 +792,11 @@ def held_while_others_waited(seqs, since: float, share: float) -> list[tuple[int
 def test_while_another_call_waits_a_call_holding_its_share_of_the_batch_gets_no_more_texts(served_models):
     """--max-call-share 0.5: a 24-text call fills the batch alone, then a second one queues. From
     then on, while the other has texts waiting, no call that holds half the admission budget or
-    more is given another text: the room its finished texts free goes to the other call."""
+    more is given another text: the room its finished texts free goes to the other call. (Calls of
+    several texts may fill the whole budget here: --max-bulk-share 1.)"""
     budget = 1500
     server = RunningServer(config_for(served_models, served_models.parent / "build-cache", models=[VANILLA],
-                                      max_batch_tokens=budget, max_call_share=0.5))
+                                      max_batch_tokens=budget, max_call_share=0.5, max_bulk_share=1.0))
     pipeline = server.registry.pipelines[VANILLA]
     engine = pipeline.engine
     log = engine.observer = StepLog(engine.observer)
@@ -868,8 +869,8 @@ def test_sigterm_flips_readiness_finishes_every_call_in_flight_refuses_new_ones_
     metrics_port = free_port()
     server = ServerProcess("--models-dir", served_models, "--models", "tiny-de-en", "--host", "127.0.0.1",
                            "--port", 0, "--metrics-port", metrics_port, "--threads", 1, "--grace-seconds", 30,
-                           "--max-batch-tokens", 6000, "--workers", 1, "--build-cache", tmp_path,
-                           *DECODE_REPEATS)
+                           "--max-batch-tokens", 6000, "--max-bulk-share", 1, "--workers", 1,
+                           "--build-cache", tmp_path, *DECODE_REPEATS)
     try:
         address = server.wait_serving()
         texts = german(8, offset=100)

@@ -19,6 +19,15 @@ come first served, and the next text admitted is chosen in three rules:
      turns): the room its finishing texts free goes to the others. It never leaves the batch idle:
      with nobody else waiting, or every waiting call at its share, the call whose turn it is goes.
 
+Bulk work gets part of the budget. The texts of calls of several texts (bulk) together hold at
+most bulk_share of the budget (as batch_cost counts them alone), and the batch as a whole at most
+the budget: one-text calls may fill the rest. Many one-text calls then decode in a wide batch,
+which costs less per text, while a backlog of multi-text calls keeps its batch narrow, so that a
+one-text call arriving behind it joins a batch that steps fast (python -m bench speed and python
+-m bench server --scenario backlog measure the two sides). A bulk text that does not fit the
+share yet is promised a step as below, reckoned over the bulk texts alone; one-text calls do not
+touch that promise, so they may go before it as long as the whole budget holds them.
+
 The text chosen waits until it fits, so a long text is never passed over forever. A sequence
 larger than the whole budget runs alone. While it waits, the room it cannot use yet is not left
 idle (backfilling, as batch schedulers do it): it is promised the step by which it surely fits,
@@ -70,6 +79,7 @@ class Line:
     call: int
     priority: int
     texts: deque[Sequence] = field(default_factory=deque)
+    bulk: bool = False  # a call of several texts: its texts share bulk_share of the budget
 
 
 class Waiting:
@@ -87,9 +97,9 @@ class Waiting:
         Each text is marked with its call (Sequence.call), which the cap counts in the running batch."""
         if not seqs:
             return
-        line = Line(next(_calls), seqs[0].priority, deque(seqs))
+        line = Line(next(_calls), seqs[0].priority, deque(seqs), bulk=len(seqs) > 1)
         for s in seqs:
-            s.call = line.call
+            s.call, s.bulk = line.call, line.bulk
         self.levels.setdefault(line.priority, deque()).append(line)
         self._count += len(seqs)
         self.earliest = earliest_deadline(seqs, self.earliest)
@@ -145,13 +155,15 @@ class Waiting:
 
 class Scheduler:
     def __init__(self, policy: str = "continuous", max_batch_tokens: int = 16384, max_waiting: int = 1024,
-                 call_share: float = 1.0):
+                 call_share: float = 1.0, bulk_share: float = 1.0):
         if policy not in POLICIES:
             raise ValueError(f"unknown batching policy {policy!r}: choose from {', '.join(POLICIES)}")
-        if not 0 < call_share <= 1:
-            raise ValueError(f"call_share must be in (0, 1], got {call_share}")
+        for name, share in (("call_share", call_share), ("bulk_share", bulk_share)):
+            if not 0 < share <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {share}")
         self.policy, self.max_batch_tokens, self.max_waiting = policy, max_batch_tokens, max_waiting
         self.share = call_share * max_batch_tokens  # of the budget, what one call may hold while others wait
+        self.bulk = bulk_share * max_batch_tokens  # what the texts of calls of several texts may hold together
         self.waiting = Waiting()
         self.promise: tuple[Sequence, int] | None = None  # the last admission's: (waiting text, by which step)
 
@@ -167,7 +179,9 @@ class Scheduler:
         which each running text's steps left follow (Sequence.joined)."""
         if self.policy != "continuous" and running:
             return []
-        batch, budget = Load(running), self.max_batch_tokens
+        batch, bulk, budget = Load(running), Load([s for s in running if s.bulk]), self.max_batch_tokens
+        over_share = lambda line: line.bulk and bulk.cost(line.texts[0]) > self.bulk  # noqa: E731
+        fits = lambda line: batch.cost(line.texts[0]) <= budget and not over_share(line)  # noqa: E731
         held = Counter()  # each call's own budget (Sequence.rows_budget) in the batch: what the cap counts
         for s in running:
             held[s.call] += s.rows_budget
@@ -175,22 +189,28 @@ class Scheduler:
         while self.waiting:
             if promise is None:
                 line = self.next_line(held)
-                if batch.cost(line.texts[0]) > budget and (running or admitted):
-                    if self.policy != "continuous" or not any(
-                            other is not line and batch.cost(other.texts[0]) <= budget for other in self.waiting.top()):
+                if not fits(line) and (running or admitted):
+                    if self.policy != "continuous" or not any(other is not line and fits(other)
+                                                              for other in self.waiting.top()):
                         break  # nothing could go before it
-                    steps_left = [(s.max_len - (clock - s.joined), s) for s in running]
-                    promise = Promise(line, steps_left + [(s.max_len, s) for s in admitted], budget)
+                    # a promise of room in the whole batch, or, if the bulk share alone holds the
+                    # text back, of room in the share (over the bulk texts alone)
+                    in_share = batch.cost(line.texts[0]) <= budget
+                    texts = [(s.max_len - (clock - s.joined), s) for s in running] + [(s.max_len, s) for s in admitted]
+                    promise = Promise(line, [(left, s) for left, s in texts if s.bulk or not in_share],
+                                      self.bulk if in_share else budget, bulk=in_share)
                     self.promise = promise.head, clock + promise.at
                     continue
             else:
-                line = promise.backfill(self.waiting, batch, held, self.share)
+                line = promise.backfill(self.waiting, held, self.share, fits)
                 if line is None:
                     break
                 promise.add(line.texts[0])
             seq = self.waiting.take(line)
             admitted.append(seq)
             batch.add(seq)
+            if seq.bulk:
+                bulk.add(seq)
             held[line.call] += seq.rows_budget
             if self.policy == "none":
                 break
@@ -236,8 +256,9 @@ class Promise:
     from now: once every text that could still be running then leaves it room), and the batch it
     will join then at the most (`then`: itself and the texts that may outlive that step)."""
 
-    def __init__(self, line: Line, steps_left: list[tuple[int, Sequence]], budget: int):
+    def __init__(self, line: Line, steps_left: list[tuple[int, Sequence]], budget: float, bulk: bool = False):
         self.line, self.head, self.budget = line, line.texts[0], budget
+        self.bulk = bulk  # a promise of room within the bulk share: the bulk texts' alone
         texts = sorted(steps_left, key=lambda t: -t[0])  # most steps left first
         self.at = texts[0][0] if texts else 0  # at the latest once all have left (it may run alone)
         stay = Load([self.head])
@@ -249,21 +270,23 @@ class Promise:
         self.then = Load([self.head] + [seq for left, seq in texts if left > self.at])
 
     def keeps(self, seq: Sequence) -> bool:
-        """Admitting `seq` now keeps the promise: it ends by the step, or leaves the room free."""
-        return seq.max_len <= self.at or self.then.cost(seq) <= self.budget
+        """Admitting `seq` now keeps the promise: it ends by the step, or leaves the room free (a
+        one-text call always keeps a bulk promise: it takes none of the bulk share)."""
+        return (self.bulk and not seq.bulk) or seq.max_len <= self.at or self.then.cost(seq) <= self.budget
 
     def add(self, seq: Sequence) -> None:
         """A backfilled text: part of the batch at the promised step if it may still be running."""
-        if seq.max_len > self.at:
+        if seq.max_len > self.at and (seq.bulk or not self.bulk):
             self.then.add(seq)
 
-    def backfill(self, waiting: Waiting, batch: Load, held: Counter, share: float) -> Line | None:
-        """The next line of the waiting text's priority whose first text may go before it: in turn,
-        a call below its share first (rule 3), else any; None if none may."""
+    def backfill(self, waiting: Waiting, held: Counter, share: float, fits) -> Line | None:
+        """The next line of the waiting text's priority whose first text may go before it (it
+        fits(line) now and keeps the promise): in turn, a call below its share first (rule 3), else
+        any; None if none may."""
         fallback = None
         for line in waiting.levels.get(self.head.priority, ()):
             seq = line.texts[0]
-            if line is not self.line and batch.cost(seq) <= self.budget and self.keeps(seq):
+            if line is not self.line and fits(line) and self.keeps(seq):
                 if held[line.call] < share:
                     return line
                 fallback = fallback or line

@@ -28,6 +28,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() value
     priority: int = 0  # its call's: higher is admitted first (server.engine.scheduler)
     call: int | None = None  # which call's line it waited in: set by the scheduler, counted by its per-call cap
+    bulk: bool = False  # its call has several texts: set by the scheduler, whose bulk share counts it
     id: int = field(default_factory=lambda: next(_ids))
     # search state
     step: int = 0  # decoding steps it took: set when it leaves the batch

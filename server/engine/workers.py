@@ -65,6 +65,7 @@ class WorkerSpec:
     max_queue: int  # per worker
     cache_bytes: int  # per worker
     call_share: float = 1.0  # the scheduler's per-call cap
+    bulk_share: float = 1.0  # the scheduler's part of the budget for calls of several texts
 
 
 @dataclass(frozen=True)
@@ -501,7 +502,7 @@ def serve(spec: WorkerSpec, conn) -> None:
     backend = make_backend(spec, spec.backend, spec.precision, spec.threads)
     warm_up(backend)  # before "ready": the first call sent here must not wait for the compiler
     engine = Engine(backend, spec.version,
-                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share),
+                    Scheduler(spec.policy, spec.max_batch_tokens, spec.max_queue, spec.call_share, spec.bulk_share),
                     EncoderCache(spec.cache_bytes),
                     reporter, spec.name)
     reporter.engine = engine
