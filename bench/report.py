@@ -321,7 +321,7 @@ def engine_note(data: dict, settings: dict) -> str:
     rounds = data["rounds"]
     if "engine-offline" not in rounds[0]:
         return ""
-    note = (f"`engine-offline`: the server's engine without gRPC ({data['engine_settings']['engine-offline']}), every "
+    note = (f"`engine-offline`: the server's engine without gRPC ({data['engine_setting']}), every "
             f"text of the round submitted at once. Its busy time by phase (median round): "
             + " / ".join(f"{k} {100 * statistics.median(r['engine-offline']['busy_share'][k] for r in rounds):.0f}%"
                          for k in rounds[0]["engine-offline"]["busy_share"]) + ". ")

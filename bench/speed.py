@@ -234,24 +234,23 @@ def measure(args, log_dir: Path) -> dict:
     for flags in args.compare:
         servers[f"server-vanilla {flags}"] = (start_server("compare", args.model, args, log_dir,
                                                            tuple(shlex.split(flags))), args.model)
-    engines = {"engine-offline": EngineOffline(args)}
+    engine = EngineOffline(args)
     floor = ServerProcess("grpc-floor", [], log_dir, {}, module="bench.grpc_floor")
     rounds = []
     try:
         floor.wait_serving(timeout=60)
-        for engine in engines.values():
-            engine.run(texts[:CT2_BATCH])  # warm
+        engine.run(texts[:CT2_BATCH])  # warm
         for system in ct2.values():
             system.run(sources[:CT2_BATCH])  # warm
         for r in range(args.rounds):
-            names = list(ct2) + list(engines) + list(servers) + ["grpc-floor"]
+            names = list(ct2) + ["engine-offline"] + list(servers) + ["grpc-floor"]
             names = names[r % len(names):] + names[: r % len(names)]
             row = {}
             for name in names:
                 if name in ct2:
                     row[name] = ct2[name].run(sources[: args.ct2_texts])
-                elif name in engines:
-                    row[name] = engines[name].run(texts[: args.ct2_texts])
+                elif name == "engine-offline":
+                    row[name] = engine.run(texts[: args.ct2_texts])
                 elif name == "grpc-floor":
                     row[name] = asyncio.run(floor_load(floor, texts, CALLERS, plan))
                 else:
@@ -281,13 +280,12 @@ def measure(args, log_dir: Path) -> dict:
                   f"ct2 {sweep['ct2'][callers]['texts_per_s']:8.2f} texts/s", flush=True)
         memory = {name: resident_mb(server) for name, (server, _) in servers.items()}
     finally:
-        for engine in engines.values():
-            engine.stop()
+        engine.stop()
         floor.stop()
         for server, _ in servers.values():
             server.stop()
-    return {"rounds": rounds, "engine_settings": {name: e.setting for name, e in engines.items()}, "sweep": sweep,
-            "resident_mb": memory, "cores": cores, "medians": medians(rounds, args.compare),
+    return {"rounds": rounds, "engine_setting": engine.setting, "sweep": sweep, "resident_mb": memory, "cores": cores,
+            "medians": medians(rounds, args.compare),
             "texts_per_s": {name: round(statistics.median(r[name]["texts_per_s"] for r in rounds), 2)
                             for name in rounds[0] if name != "ratios"}}
 

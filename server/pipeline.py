@@ -320,7 +320,10 @@ def build_pipeline(entry: ModelEntry, backend: str = "onnx", precision: str = "f
                           policy, max_batch_tokens, queue, cache_bytes // workers, call_share, bulk_share)
         return Pipeline(entry, WorkerReplicas(spec, workers, results, observer), limits, backend, precision)
     model = make_backend(entry, backend, precision, threads, workers, device)
-    scheduler = lambda policy: Scheduler(policy, max_batch_tokens, queue, call_share, bulk_share)  # noqa: E731
+
+    def scheduler(policy: str) -> Scheduler:
+        return Scheduler(policy, max_batch_tokens, queue, call_share, bulk_share)
+
     if backend == "ct2":  # CTranslate2 decodes whole batches: request-level batching, no encoder cache
         cache = EncoderCache(0)
         engines = [Ct2Engine(model, entry.version, scheduler("request"), cache, observer, entry.name, results)

@@ -497,7 +497,6 @@ def test_the_cap_never_keeps_a_call_waiting_while_nobody_else_does():
     assert scheduler.admit(running[:8]) == a[10:]  # holds 80, far over its share: alone, it still goes
 
 
-
 def test_calls_of_several_texts_fill_their_share_of_the_budget_and_one_text_calls_the_rest():
     """bulk_share 0.5 of a budget of 100: a call of ten texts is admitted up to 50, and one-text
     calls that arrive behind it take the other half at once; past the whole budget nobody joins.
@@ -523,6 +522,7 @@ def test_a_bulk_text_wider_than_its_share_still_runs_alone():
     assert scheduler.admit([]) == bulk[:1]
     assert scheduler.admit(bulk[:1]) == []
     assert scheduler.admit([]) == bulk[1:]
+
 
 def wide(beam: int, source: int, limit: int, priority: int = 0) -> Sequence:
     return Sequence([1] * source, DecodingOptions(beam=beam), limit, on_done=lambda s: None, priority=priority)

@@ -79,7 +79,6 @@ class Line:
     call: int
     priority: int
     texts: deque[Sequence] = field(default_factory=deque)
-    bulk: bool = False  # a call of several texts: its texts share bulk_share of the budget
 
 
 class Waiting:
@@ -94,12 +93,13 @@ class Waiting:
 
     def add(self, seqs: list[Sequence]) -> None:
         """One call's texts (of one priority: its first text's) join the back of its priority's turns.
-        Each text is marked with its call (Sequence.call), which the cap counts in the running batch."""
+        Each text is marked with its call (Sequence.call), which the cap counts in the running batch,
+        and as bulk if the call has several texts (Sequence.bulk), which the bulk share counts."""
         if not seqs:
             return
-        line = Line(next(_calls), seqs[0].priority, deque(seqs), bulk=len(seqs) > 1)
+        line = Line(next(_calls), seqs[0].priority, deque(seqs))
         for s in seqs:
-            s.call, s.bulk = line.call, line.bulk
+            s.call, s.bulk = line.call, len(seqs) > 1
         self.levels.setdefault(line.priority, deque()).append(line)
         self._count += len(seqs)
         self.earliest = earliest_deadline(seqs, self.earliest)
@@ -180,8 +180,13 @@ class Scheduler:
         if self.policy != "continuous" and running:
             return []
         batch, bulk, budget = Load(running), Load([s for s in running if s.bulk]), self.max_batch_tokens
-        over_share = lambda line: line.bulk and bulk.cost(line.texts[0]) > self.bulk  # noqa: E731
-        fits = lambda line: batch.cost(line.texts[0]) <= budget and not over_share(line)  # noqa: E731
+
+        def over_share(line: Line) -> bool:  # a bulk text the bulk share cannot hold yet
+            return line.texts[0].bulk and bulk.cost(line.texts[0]) > self.bulk
+
+        def fits(line: Line) -> bool:
+            return batch.cost(line.texts[0]) <= budget and not over_share(line)
+
         held = Counter()  # each call's own budget (Sequence.rows_budget) in the batch: what the cap counts
         for s in running:
             held[s.call] += s.rows_budget
