@@ -10,16 +10,25 @@ from kernels.cross_attention import grouped_attention_reference, grouped_cross_a
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (B, H, S, d_h)
 
 
+def absent(g):
+    """An optional ONNX input left out (its name empty)."""
+    from torch.onnx._internal.torchscript_exporter.symbolic_helper import _optional_input_placeholder_tensor
+
+    return _optional_input_placeholder_tensor(g)
+
+
 class CachedSelfAttention(torch.autograd.Function):
     """One position per row attending to its own cache, the cache written in place (step_self).
 
-    Eager: the K/V scatter into column lengths[r], then attention masked past that column. Exported:
-    ONNX Runtime's GroupQueryAttention (com.microsoft; K/V heads = query heads), which does the same
+    qkv (R, 3D): the new position's query, key and value side by side. Eager: the K/V scatter into
+    column lengths[r], then attention masked past that column. Exported: ONNX Runtime's
+    GroupQueryAttention (com.microsoft; K/V heads = query heads) on them packed, which does the same
     when its past and present K/V are one buffer (export.onnx_runtime binds them so) and reads only
     each row's own columns: a step's attention costs what the rows hold, not the cache's width."""
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, lengths, n_heads: int):
+    def forward(ctx, qkv, past_k, past_v, lengths, n_heads: int):
+        q, k, v = qkv.chunk(3, -1)
         rows, d_head = torch.arange(q.shape[0], device=q.device), q.shape[1] // n_heads
         past_k[rows, :, lengths] = k.view(-1, n_heads, d_head)
         past_v[rows, :, lengths] = v.view(-1, n_heads, d_head)
@@ -31,11 +40,11 @@ class CachedSelfAttention(torch.autograd.Function):
         return (weights @ values).flatten(1), past_k.detach(), past_v.detach()  # the cache itself, updated
 
     @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, lengths, n_heads: int):
+    def symbolic(g, qkv, past_k, past_v, lengths, n_heads: int):
         int32, axis = 6, g.op("Constant", value_t=torch.tensor([1]))  # 6: onnx.TensorProto.INT32
         total = g.op("Add", g.op("ReduceMax", lengths, keepdims_i=0), g.op("Constant", value_t=torch.tensor(1)))
         out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention",
-                                         *(g.op("Unsqueeze", t, axis) for t in (q, k, v)),  # (R, 1, D)
+                                         g.op("Unsqueeze", qkv, axis), absent(g), absent(g),  # packed: (R, 1, 3D)
                                          past_k, past_v, g.op("Cast", lengths, to_i=int32),
                                          g.op("Cast", total, to_i=int32),
                                          num_heads_i=n_heads, kv_num_heads_i=n_heads, outputs=3)
@@ -90,7 +99,12 @@ class MultiHeadAttention(nn.Module):
         the row holds), and the row attends to columns 0..lengths[r]. Returns (R, D) and the cache
         (the same memory; traced, the graph's present K/V). Writing in place, never growing the
         cache, is what lets a served step cost the same at any width."""
-        out, present_k, present_v = CachedSelfAttention.apply(self.q(x), self.k(x), self.v(x), past_k, past_v, lengths,
+        if torch.onnx.is_in_onnx_export():  # one projection, one int8 quantization of x, where there were three
+            qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]),
+                           torch.cat([self.q.bias, self.k.bias, self.v.bias]))
+        else:
+            qkv = torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+        out, present_k, present_v = CachedSelfAttention.apply(qkv, past_k, past_v, lengths,
                                                               self.n_heads)
         return self.o(out), (present_k, present_v)
 
