@@ -298,12 +298,17 @@ def test_the_build_key_covers_the_code_of_every_module_the_graphs_are_traced_fro
 
 def test_the_step_attends_with_group_query_attention_and_copies_no_logits(tmp_path, spm_bytes):
     """Each decoder layer's self-attention is one GroupQueryAttention node over the cache (in place,
-    each row's own columns), and no If is left from a squeeze of unknown shape: it would copy the
-    (R, V) logits every step."""
+    each row's own columns), fed its query, key and value packed from one projection (one int8
+    quantization of the layer's input, not three), and no If is left from a squeeze of unknown
+    shape: it would copy the (R, V) logits every step."""
     model, _ = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
     for name in ("decoder.onnx", "decoder.int8.onnx"):
-        ops = Counter(n.op_type for n in onnx.load(str(tmp_path / "repo" / name)).graph.node)
+        nodes = onnx.load(str(tmp_path / "repo" / name)).graph.node
+        ops = Counter(n.op_type for n in nodes)
         assert ops["GroupQueryAttention"] == model.cfg.dec_layers and ops["If"] == 0, name
+        assert all(n.input[1] == n.input[2] == "" for n in nodes if n.op_type == "GroupQueryAttention"), name
+        projections = [n for n in nodes if "/res_self" in n.name and n.op_type in ("Gemm", "MatMul", "MatMulInteger")]
+        assert len(projections) == 2 * model.cfg.dec_layers, name  # per layer: q, k, v at once; the output
 
 
 def test_the_steps_cross_attention_computes_no_shapes_at_run_time(tmp_path, spm_bytes):
