@@ -354,7 +354,28 @@ def cpu_split(data: dict) -> str:
          + (" `grpc-floor` is the same load on a gRPC service with no model behind it (bench.grpc_floor), per "
             "call: what gRPC alone costs the client and the service, a floor that no Python gRPC service goes "
             "below (its texts/s above are calls answered after a pause, not a speed)." if "grpc-floor" in first else "")),
-        table(["system", *keys, "CPU in all", "÷ CTranslate2"], rows)])
+        table(["system", *keys, "CPU in all", "÷ CTranslate2"], rows),
+        ceiling(data, ct2)])
+
+
+def ceiling(data: dict, ct2_ms: float) -> str:
+    """The best server ÷ CTranslate2 a gRPC service around our engine could reach on this machine: a
+    served text costs at least the offline engine's core-ms (cores ÷ its texts/s) plus gRPC's floor
+    (the client's and the service's CPU per call), and the cores are CPU-bound at 64 callers."""
+    rounds = data["rounds"]
+    if not {"engine-offline", "grpc-floor"} <= set(rounds[0]):
+        return ""
+    engine = statistics.median(data["cores"] / r["engine-offline"]["texts_per_s"] * 1e3 for r in rounds)
+    floor = statistics.median(r["grpc-floor"]["ms_per_text"]["client"] + r["grpc-floor"]["ms_per_text"]["server parent"]
+                              for r in rounds)
+    served = data["medians"]["server_vs_ct2"]
+    bound = ct2_ms / (engine + floor)
+    return (f"The bound on this machine: the offline engine costs {engine:.2f} core-ms per text and gRPC's floor "
+            f"{floor:.2f} ms per call (client and service), so a server adding nothing else would cost "
+            f"{engine + floor:.2f} core-ms per text against CTranslate2's {ct2_ms:.2f}, a ratio of {bound:.2f} at best, "
+            f"with the client on the same cores. The server's {served} is {served / bound:.0%} of that bound; 1.0 "
+            f"needs an engine of at most {ct2_ms - floor:.2f} core-ms per text, {engine / (ct2_ms - floor):.2f}× "
+            f"faster than this one.")
 
 
 def step_section(data: dict, results: Path, out: Path) -> str:
