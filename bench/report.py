@@ -406,8 +406,8 @@ def step_section(data: dict, results: Path, out: Path) -> str:
          f"{s['beam']} rows per sentence, a {s['source']}-piece source, a self-attention cache {s['width']} columns "
          f"wide with each row at a random position in it; untrained models of each architecture at the `{s['preset']}` size with {s['vocab']} pieces (a step's "
          f"time depends on shapes, not weights). Median of {s['reps']} steps per point; the architectures take "
-         "turns at each row count. `fixed` and `per row` are the intercept and slope of a least-squares line "
-         "through the points; `per row ÷ vanilla` compares an architecture's cost per row with vanilla's."),
+         "turns at each row count. `fixed` and `per row` are the intercept and slope of a line through the points, "
+         "fitted to their relative errors (a step's timing noise grows with its time); `per row ÷ vanilla` compares an architecture's cost per row with vanilla's."),
         table(["architecture", "precision", "fixed ms", "per row µs", "per row ÷ vanilla"]
               + [f"ms at {r}" for r in counts], rows),
         ("The engine loop (the server's admission defaults, int8, one thread) on trained models, with N texts in "

@@ -22,8 +22,8 @@ whatever its size, and the cost of each row. Two parts, in one run:
           graphs: each operator type's kernel time in milliseconds per text (where the graphs'
           time goes in a loaded engine, not in a step repeated on warm memory).
 
-A least-squares line through the (rows, ms) points gives each its fixed overhead (the intercept)
-and its cost per row (the slope). Writes bench-step.json and bench-step.png into runs/bench
+A line through the (rows, ms) points, fitted to their relative errors, gives each its fixed overhead
+(the intercept) and its cost per row (the slope). Writes bench-step.json and bench-step.png into runs/bench
 (docs/results with --publish); `python -m bench report` renders them.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import torch
 
@@ -63,10 +64,12 @@ EVICT_BYTES = 64 << 20  # written before a cold step: twice this machine's last-
 
 
 def line(points: list[tuple[float, float]]) -> dict:
-    """Least squares ms = fixed + per_row * rows over (rows, ms) points."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    slope, intercept = statistics.linear_regression(xs, ys)
-    return {"fixed_ms": round(intercept, 3), "per_row_us": round(slope * 1e3, 2)}
+    """ms = fixed + per_row * rows through (rows, ms) points, each point's error counted relative to its
+    own time: the noise of a step's time grows with the time, and a plain least-squares line let the
+    256-row points' noise (tenths of a millisecond) decide the intercept, even below zero."""
+    xs, ys = np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
+    slope, intercept = np.polyfit(xs, ys, 1, w=1 / ys)  # polyfit's weights scale the residuals
+    return {"fixed_ms": round(float(intercept), 3), "per_row_us": round(float(slope) * 1e3, 2)}
 
 
 def median_ms(run, reps: int, before=None) -> float:

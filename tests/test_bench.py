@@ -182,6 +182,17 @@ def test_quick_http_benchmark_drives_both_transports_on_one_server(served_models
     assert all(r["median"] > 0 for r in result["http_over_grpc"].values())
 
 
+def test_the_step_line_weighs_each_point_against_its_own_time():
+    """0.2 ms fixed + 60 us per row, with the 256-row point 1 ms slow (the noise of a 16 ms step here): the fit
+    keeps the fixed cost at 0.2 ms, where a plain least-squares line gives 0.09."""
+    from bench.step import line
+
+    points = [(r, 0.2 + 0.06 * r) for r in (1, 4, 16, 32, 64, 128)] + [(256, 0.2 + 0.06 * 256 + 1.0)]
+    fit = line(points)
+    assert abs(fit["fixed_ms"] - 0.2) < 0.01 and abs(fit["per_row_us"] - 60) < 2
+    assert line([(r, 0.2 + 0.06 * r) for r in (1, 8, 64)]) == {"fixed_ms": 0.2, "per_row_us": 60.0}
+
+
 def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_renders_it(served_models, tmp_path,
                                                                                           monkeypatch):
     monkeypatch.setattr("bench.step.results_dir", lambda publish: tmp_path)
