@@ -372,8 +372,8 @@ def ceiling(data: dict, ct2_ms: float) -> str:
     bound = ct2_ms / (engine + floor)
     return (f"The bound on this machine: the offline engine costs {engine:.2f} core-ms per text and gRPC's floor "
             f"{floor:.2f} ms per call (client and service), so a server adding nothing else would cost "
-            f"{engine + floor:.2f} core-ms per text against CTranslate2's {ct2_ms:.2f}, a ratio of {bound:.2f} at best, "
-            f"with the client on the same cores. The server's {served} is {served / bound:.0%} of that bound; 1.0 "
+            f"{engine + floor:.2f} core-ms per text against CTranslate2's {ct2_ms:.2f}, a ratio of {bound:.2f} at "
+            f"best, with the client on the same cores. The server's {served} is {served / bound:.0%} of that bound; 1.0 "
             f"needs an engine of at most {ct2_ms - floor:.2f} core-ms per text, {engine / (ct2_ms - floor):.2f}× "
             f"faster than this one.")
 
@@ -407,7 +407,8 @@ def step_section(data: dict, results: Path, out: Path) -> str:
          f"wide with each row at a random position in it; untrained models of each architecture at the `{s['preset']}` size with {s['vocab']} pieces (a step's "
          f"time depends on shapes, not weights). Median of {s['reps']} steps per point; the architectures take "
          "turns at each row count. `fixed` and `per row` are the intercept and slope of a line through the points, "
-         "fitted to their relative errors (a step's timing noise grows with its time); `per row ÷ vanilla` compares an architecture's cost per row with vanilla's."),
+         "fitted to their relative errors (a step's timing noise grows with its time); `per row ÷ vanilla` "
+         "compares an architecture's cost per row with vanilla's."),
         table(["architecture", "precision", "fixed ms", "per row µs", "per row ÷ vanilla"]
               + [f"ms at {r}" for r in counts], rows),
         ("The engine loop (the server's admission defaults, int8, one thread) on trained models, with N texts in "
