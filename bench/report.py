@@ -336,12 +336,13 @@ def cpu_split(data: dict) -> str:
         return ""
     ct2 = statistics.median(data["cores"] / r[r["ratios"]["ct2_best"]]["texts_per_s"] * 1e3 for r in data["rounds"])
     keys = list(first[servers[0]]["ms_per_text"])
-    rows = []
+    rows, cpu = [], {}
     for n in servers + (["grpc-floor"] if "grpc-floor" in first else []):
         med = {k: statistics.median(r[n]["ms_per_text"][k] for r in data["rounds"]) for k in keys
                if k in first[n]["ms_per_text"]}
-        cpu = med["client"] + med["server parent"] + med.get("workers", 0)
-        rows.append([f"`{n}`", *(f"{med[k]:.2f}" if k in med else "—" for k in keys), f"{cpu:.2f}", f"{cpu / ct2:.2f}"])
+        cpu[n] = med["client"] + med["server parent"] + med.get("workers", 0)
+        rows.append([f"`{n}`", *(f"{med[k]:.2f}" if k in med else "—" for k in keys), f"{cpu[n]:.2f}",
+                     f"{cpu[n] / ct2:.2f}"])
     return "\n\n".join([
         "### Where a served text's time goes",
         ("Milliseconds per answered text over each server round of the score (median of the rounds). CPU time: "
@@ -355,19 +356,18 @@ def cpu_split(data: dict) -> str:
             "call: what gRPC alone costs the client and the service, a floor that no Python gRPC service goes "
             "below (its texts/s above are calls answered after a pause, not a speed)." if "grpc-floor" in first else "")),
         table(["system", *keys, "CPU in all", "÷ CTranslate2"], rows),
-        ceiling(data, ct2)])
+        ceiling(data, ct2, cpu.get("grpc-floor"))])
 
 
-def ceiling(data: dict, ct2_ms: float) -> str:
+def ceiling(data: dict, ct2_ms: float, floor: float | None) -> str:
     """The best server ÷ CTranslate2 a gRPC service around our engine could reach on this machine: a
     served text costs at least the offline engine's core-ms (cores ÷ its texts/s) plus gRPC's floor
-    (the client's and the service's CPU per call), and the cores are CPU-bound at 64 callers."""
+    (`floor`: the client's and the service's CPU per call, as cpu_split's table gives it), and the
+    cores are CPU-bound at 64 callers."""
     rounds = data["rounds"]
-    if not {"engine-offline", "grpc-floor"} <= set(rounds[0]):
+    if floor is None or "engine-offline" not in rounds[0]:
         return ""
     engine = statistics.median(data["cores"] / r["engine-offline"]["texts_per_s"] * 1e3 for r in rounds)
-    floor = statistics.median(r["grpc-floor"]["ms_per_text"]["client"] + r["grpc-floor"]["ms_per_text"]["server parent"]
-                              for r in rounds)
     served = data["medians"]["server_vs_ct2"]
     bound = ct2_ms / (engine + floor)
     return (f"The bound on this machine: the offline engine costs {engine:.2f} core-ms per text and gRPC's floor "
