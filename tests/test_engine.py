@@ -148,6 +148,27 @@ def test_texts_joining_and_leaving_move_no_running_row_out_of_its_cache_slot():
     assert [h.tokens for h in long.hypotheses] == [h.tokens for h in offline(model, long.src, long.options)]
 
 
+def test_a_departure_below_running_rows_moves_the_top_row_down_so_that_no_step_computes_an_empty_slot():
+    """A step runs over every slot up to the highest in use, so an empty slot below it would be
+    computed, and ignored, at every step: the top row moves down into it at once, its cached
+    columns with it, and its text's output does not change."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model)
+    srcs = sources(model, [5, 9, 7], seed=3)
+    quick = make_seq(model, srcs[0], DecodingOptions(beam=1, max_len_a=0, max_len_b=2))
+    slow = [make_seq(model, s, DecodingOptions(beam=1, min_length=8, max_len_b=40)) for s in srcs[1:]]
+    engine.submit([quick, *slow])
+    engine.iterate()
+    batch = engine.batch
+    assert batch.slot.tolist() == [0, 1, 2]  # one row each, in order of joining
+    while quick.status is None:
+        engine.iterate()
+    assert batch.seqs == slow and batch.slot.tolist() == [1, 0]  # the last text moved into the first slot
+    engine.run_until_idle()
+    for seq in slow:
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in offline(model, seq.src, seq.options)]
+
+
 def test_a_beams_first_child_keeps_its_slot_and_later_children_take_the_lowest_free_slots():
     """Parents by row 3, 3, 1, 3 in 5 slots: the first children keep 3 and 1; the other two children
     of 3 take 0 and 2, the lowest slots no first child keeps (the parents' old slots included), and
