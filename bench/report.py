@@ -373,8 +373,9 @@ def ceiling(data: dict, ct2_ms: float, floor: float | None) -> str:
     return (f"The bound on this machine: the offline engine costs {engine:.2f} core-ms per text and gRPC's floor "
             f"{floor:.2f} ms per call (client and service), so a server adding nothing else would cost "
             f"{engine + floor:.2f} core-ms per text against CTranslate2's {ct2_ms:.2f}, a ratio of {bound:.2f} at "
-            f"best, with the client on the same cores. The server's {served} is {served / bound:.0%} of that bound; 1.0 "
-            f"needs an engine of at most {ct2_ms - floor:.2f} core-ms per text, {engine / (ct2_ms - floor):.2f}× "
+            f"best, with the client on the same cores. The server's {served} is {served / bound:.0%} of that "
+            f"bound; 1.0 needs an engine of at most {ct2_ms - floor:.2f} core-ms per text, "
+            f"{engine / (ct2_ms - floor):.2f}× "
             f"faster than this one.")
 
 
