@@ -10,6 +10,8 @@ hold the ONNX graphs to the model.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -118,13 +120,18 @@ def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: 
 def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> dict[str, torch.Tensor]:
     """The step's inputs other than its tokens and positions: what the rows' layout decides. A row
     whose row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
-    row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-    inputs = {"row_sentence": row_sentence.clamp(min=0), "row_slot": row_slot, "group_rows": group_rows,
-              "top_k": torch.tensor([top_k])}
+    sentence, row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
+    inputs = {"row_sentence": sentence, "row_slot": row_slot, "group_rows": group_rows, "top_k": top_k_input(top_k)}
     inputs |= dict(zip(state_names(enc), flatten_state(enc)))
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))
     return inputs
+
+
+@functools.lru_cache(maxsize=None)
+def top_k_input(k: int) -> torch.Tensor:
+    """The graph's top_k input, made once per k (read, never written)."""
+    return torch.tensor([k])
 
 
 def flatten_state(enc: EncoderState) -> tuple[torch.Tensor, ...]:

@@ -33,6 +33,7 @@ from .spec import GraphSpec, model_specs, per_sentence, present_names
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
 SMALL_INPUT_BYTES = 4096  # an input this small is copied into a kept tensor rather than bound anew (OnnxGraph.run)
+OWNED_VIEWS = 256  # views of a kept tensor, by shape, held at most (OnnxGraph._owned)
 
 
 def default_device() -> str:
@@ -64,6 +65,8 @@ class OnnxGraph:
             raise RuntimeError(f"{path}: ONNX Runtime could not start its CUDA provider")
         self.spec = spec
         self.local = threading.local()  # thread replicas share the session; each thread binds its own
+        # made once: the binding's public bind_input/bind_output make one at every call (_bind)
+        self.ort_device = ort.OrtDevice.make(self.device.type, self.device.index or 0)._get_c_device()
 
     def _binding(self) -> tuple[ort.IOBinding, dict]:
         """This thread's binding, kept from run to run, and the tensor each name is bound to now."""
@@ -75,28 +78,33 @@ class OnnxGraph:
         """Bind a name to a tensor's memory unless it is bound to that tensor, or to the same address
         and shape, already: most of a decoder step's tensors (the cache, the encoder state) are the
         same objects from step to step, or views of the same memory. The tensor is kept (bound), so
-        its memory outlives the binding."""
+        its memory outlives the binding. `bind`: the bind_input or bind_output of the binding's
+        pybind object (binding._iobinding), which a step under load calls some twenty times."""
         last = bound.get(t.name)
         if last is tensor:
             return
         if last is None or last.data_ptr() != tensor.data_ptr() or last.shape != tensor.shape:
-            bind(t.name, self.device.type, self.device.index or 0, NUMPY_TYPES[t.dtype], tuple(tensor.shape),
-                 tensor.data_ptr())
+            bind(t.name, self.ort_device, NUMPY_TYPES[t.dtype], tuple(tensor.shape), tensor.data_ptr())
         bound[t.name] = tensor
 
     def _owned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This thread's own tensor for `name`: a view of storage that is kept and only ever grows, so
         that its address stays from run to run (and its binding too, while the shape does); the same
-        view object while the shape does."""
-        kept, view = self.local.owned.get(name, (None, None))
-        if view is not None and view.shape == shape and view.dtype == dtype:
+        view object for the same shape while the storage stays. The views are kept by shape: under
+        load the rows change at almost every step, among a few dozen counts, and making a view is
+        a torch call."""
+        kept, views = self.local.owned.get(name, (None, {}))
+        view = views.get(shape)
+        if view is not None and view.dtype == dtype:
             return view
         size = math.prod(shape)
         if kept is None or kept.dtype != dtype or kept.numel() < size:
             grown = 0 if kept is None else 2 * kept.numel()
-            kept = torch.empty(max(size, grown), dtype=dtype, device=self.device)
-        view = kept[:size].view(shape)
-        self.local.owned[name] = kept, view
+            kept, views = torch.empty(max(size, grown), dtype=dtype, device=self.device), {}
+        elif len(views) >= OWNED_VIEWS:  # (the encoder's inputs come in many shapes)
+            views = {}
+        view = views[shape] = kept[:size].view(shape)
+        self.local.owned[name] = kept, views
         return view
 
     def run(self, inputs: dict[str, torch.Tensor], output_shapes: dict[str, tuple[int, ...]],
@@ -125,14 +133,14 @@ class OnnxGraph:
             tensor = given.to(self.device, TORCH_TYPES[t.dtype]).contiguous()
             if tensor.nbytes <= SMALL_INPUT_BYTES and tensor.data_ptr() not in aliased:
                 tensor = self._owned(t.name, tuple(tensor.shape), tensor.dtype).copy_(tensor)
-            self._bind(binding.bind_input, bound, t, tensor)
+            self._bind(binding._iobinding.bind_input, bound, t, tensor)
         outputs = dict(out or {})
         for t in self.spec.outputs:
             if t.name not in outputs:
                 shape, dtype = output_shapes[t.name], TORCH_TYPES[t.dtype]
                 outputs[t.name] = self._owned(t.name, shape, dtype) if reuse else \
                     torch.empty(shape, dtype=dtype, device=self.device)
-            self._bind(binding.bind_output, bound, t, outputs[t.name])
+            self._bind(binding._iobinding.bind_output, bound, t, outputs[t.name])
         self.session.run_with_iobinding(binding)
         return outputs
 
@@ -144,8 +152,8 @@ class OnnxGraph:
         no more, and run()'s per-name checks cost a one-text step as much as its search does."""
         bound, owned = getattr(self.local, "bound", {}), getattr(self.local, "owned", {})
         for name, tensor in changed.items():
-            kept = bound.get(name)
-            if kept is None or kept is not owned.get(name, (None, None))[1] or kept.shape != tensor.shape:
+            kept, views = bound.get(name), owned.get(name, (None, {}))[1]
+            if kept is None or kept.shape != tensor.shape or views.get(kept.shape) is not kept:
                 return False
         for name, tensor in changed.items():
             bound[name].copy_(tensor)
@@ -194,6 +202,7 @@ class OnnxModel:
         self.global_graph = self.graphs.get("global")  # capsule models: s^M after the host's routing
         self.state_names = [t.name for t in per_sentence(self.cfg)]  # what encode gives, in unflatten_state's order
         self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+        self.step_shapes: dict[tuple[int, int], dict] = {}  # the decoder's outputs' shapes by (rows, top_k)
 
     def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
         """The encoder graph; for a capsule model then its votes routed on the host
@@ -257,7 +266,10 @@ class OnnxModel:
                 raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
                                  f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
         inputs = layout_inputs(row_sentence, enc, cache, top_k)
-        shapes = output_shapes(self.decoder.spec, {"rows": row_sentence.shape[0], "k": top_k})
+        rows = row_sentence.shape[0]
+        shapes = self.step_shapes.get((rows, top_k))
+        if shapes is None:  # a few dozen distinct (rows, top_k): worked out once each
+            shapes = self.step_shapes[rows, top_k] = output_shapes(self.decoder.spec, {"rows": rows, "k": top_k})
         present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
         self.decoder.local.layout = StepLayout(key, top_k, inputs, shapes, present)
         return self.decoder.local.layout

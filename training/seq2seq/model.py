@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,6 @@ from torch import nn
 from kernels.context_gate import gated_output
 from kernels.cross_attention import memory_kv
 
-from .beam import first_rows
 from .config import ModelConfig
 from .gret import ContextGate, GlobalState
 from .graph_encoder import GraphEncoder
@@ -175,9 +175,8 @@ class Seq2Seq(nn.Module):
         and read by nobody) and its own cached keys and values (cache: per layer (R, H, T, d),
         T > positions[r]; the row's are columns 0..positions[r] - 1). This step's K/V are written
         into the cache in place, at column positions[r]. Returns log-probabilities (R, V)."""
-        row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-        return self.step_rows(tokens, positions, row_sentence.clamp(min=0), group_rows, row_slot, enc, cache,
-                              kernels)[0]
+        sentence, row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
+        return self.step_rows(tokens, positions, sentence, group_rows, row_slot, enc, cache, kernels)[0]
 
     def step_rows(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor | None,
                   group_rows: torch.Tensor, row_slot: torch.Tensor, enc: EncoderState, cache: list[KV],
@@ -234,25 +233,37 @@ def grown_step(model, tokens: torch.Tensor, step: int, enc: EncoderState, cache:
     return model.step(tokens, positions, row_sentence, enc, cache), cache
 
 
-def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_slot (R,), group_rows (B, W)) for rows in any order: row r is slot w of its sentence's
-    group (its w-th row), row_slot[r] = sentence * W + w, group_rows[b, w] = that row, or R where
-    sentence b has fewer than W rows. Rows of sentence -1 join no group (row_slot 0). Computed in
-    NumPy on the host (a few hundred numbers, where a torch call costs several NumPy calls) and
-    handed back on row_sentence's device."""
-    row_sentence_host = row_sentence.cpu().numpy()
-    rows = len(row_sentence_host)
-    live = np.flatnonzero(row_sentence_host >= 0)
-    sentence = row_sentence_host[live]
-    counts = np.bincount(sentence, minlength=n_sentences)
-    width = max(1, int(counts.max())) if len(live) else 1
-    order = np.argsort(sentence, kind="stable")
-    first = first_rows(counts)
-    within = np.empty_like(sentence)
-    within[order] = np.arange(len(live)) - first[sentence[order]]
+def row_groups(row_sentence: torch.Tensor, n_sentences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sentence (R,), row_slot (R,), group_rows (B, W)) for rows in any order: row r is slot w of
+    its sentence's group (its w-th row), row_slot[r] = sentence * W + w, group_rows[b, w] = that
+    row, or R where sentence b has fewer than W rows. Rows of sentence -1 join no group (row_slot
+    0) and read sentence 0's per-sentence tensors (sentence: row_sentence with -1 as 0). Computed
+    on the host in one compiled call (a few hundred numbers; the engine's layout changes at most
+    steps, where a dozen NumPy and torch calls cost some 100 us) and handed back on row_sentence's
+    device."""
+    arrays = group_layout(row_sentence.cpu().numpy(), n_sentences)
+    return tuple(torch.from_numpy(a).to(row_sentence.device) for a in arrays)
+
+
+@numba.njit(cache=True, nogil=True)
+def group_layout(row_sentence: np.ndarray, n_sentences: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """row_groups on NumPy arrays."""
+    rows = len(row_sentence)
+    sentence = np.maximum(row_sentence, 0)
+    counts = np.zeros(n_sentences, np.int64)
+    for r in range(rows):
+        if row_sentence[r] >= n_sentences:  # compiled code does not check its indices
+            raise IndexError("a row's sentence is past the last sentence")
+        if row_sentence[r] >= 0:
+            counts[row_sentence[r]] += 1
+    width = max(1, counts.max()) if n_sentences else 1
     row_slot = np.zeros(rows, np.int64)
-    row_slot[live] = sentence * width + within
-    group_rows = np.full(n_sentences * width, rows, np.int64)
-    group_rows[sentence * width + within] = live
-    device = row_sentence.device
-    return torch.from_numpy(row_slot).to(device), torch.from_numpy(group_rows.reshape(n_sentences, width)).to(device)
+    group_rows = np.full((n_sentences, width), rows, np.int64)
+    counts[:] = 0  # now each sentence's rows seen so far
+    for r in range(rows):
+        b = row_sentence[r]
+        if b >= 0:
+            row_slot[r] = b * width + counts[b]
+            group_rows[b, counts[b]] = r
+            counts[b] += 1
+    return sentence, row_slot, group_rows
