@@ -273,11 +273,13 @@ def warm_up(backend) -> None:
     that a process pays its first decode's costs before it serves, not in a client's first call:
     Numba compiles the beam search's kernels on their first call (seconds; far less where its
     on-disk cache holds them) and ONNX Runtime sizes its memory on its first runs.
-    One text covers every kernel: the argument types do not change with the options or the load.
-    A model that cannot decode it fails here, at start."""
+    One text covers every kernel: the argument types do not change with the options or the load,
+    and its min_length takes it through the constrained options' path too. A model that cannot
+    decode it fails here, at start."""
     cfg = backend.cfg
     src = [4 + i % max(1, cfg.vocab_size - 4) for i in range(8)] + [cfg.eos_id]  # ids past the special ones
-    seq = Sequence(src, DecodingOptions(), 6, lambda s: None, tags=[0] * len(src) if cfg.pos_tags else None)
+    seq = Sequence(src, DecodingOptions(min_length=1), 6, lambda s: None,
+                   tags=[0] * len(src) if cfg.pos_tags else None)
     engine = Engine(backend, "warm-up", Scheduler(), name="warm-up")
     engine.enqueue([seq])
     engine.run_until_idle()
