@@ -167,6 +167,40 @@ def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing
     assert len(grouped) == 5 and len(bound) == 2
 
 
+def test_a_row_count_that_comes_back_finds_its_own_input_tensors_and_the_steps_stay_exact(tmp_path, spm_bytes,
+                                                                                           monkeypatch):
+    """The step's small inputs are copied into the backend's own tensors, views of kept storage
+    that OnnxGraph._owned keeps by shape: under load the row count moves at almost every step, and
+    one it had before finds its view again. Steps of 3, 2 and again 3 rows give the
+    log-probabilities of a model that binds afresh, and a further step of the last layout only
+    reruns the binding."""
+    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
+    fresh = OnnxModel(tmp_path / "repo")
+    src, _ = random_batch(model.cfg, [5, 3])
+    enc, fresh_enc = onnx_model.encode(src), fresh.encode(src)
+    g = torch.Generator().manual_seed(7)
+    shape = (3, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
+    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
+    fresh_cache = [(k.clone(), v.clone()) for k, v in cache]
+    bound, bound_tokens = [], []
+    monkeypatch.setattr(onnx_model.decoder, "run",
+                        lambda *args, real=onnx_model.decoder.run, **kw: bound.append(1) or real(*args, **kw))
+    layouts = [torch.tensor([0, 0, 1]), torch.tensor([0, 1]), torch.tensor([0, 1, 1])]
+    views = [[(k[:len(r)], v[:len(r)]) for k, v in cache] for r in layouts]  # the cache's first rows
+    for step, (row_sentence, rows_cache) in enumerate(zip(layouts + layouts[-1:], views + views[-1:])):
+        rows = len(row_sentence)
+        tokens = torch.randint(4, model.cfg.vocab_size, (rows,), generator=g)
+        positions = torch.full((rows,), step)
+        log_probs, top = onnx_model.step_top(tokens, positions, row_sentence, enc, rows_cache, 4)
+        fresh_views = [(k[:rows], v[:rows]) for k, v in fresh_cache]
+        expected, expected_top = fresh.step_top(tokens, positions, row_sentence.clone(), fresh_enc, fresh_views, 4)
+        assert torch.equal(log_probs, expected) and all(torch.equal(a, b) for a, b in zip(top, expected_top))
+        bound_tokens.append(onnx_model.decoder.local.bound["tokens"])
+    assert all(torch.equal(a, b) for kv, fresh_kv in zip(cache, fresh_cache) for a, b in zip(kv, fresh_kv))
+    assert bound_tokens[2] is bound_tokens[0] and bound_tokens[1] is not bound_tokens[0]
+    assert len(bound) == 3  # the last step reran the binding of the one before
+
+
 def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_bytes):
     """The step writes its K/V into the memory it was given: a strided view would be copied on the
     way in and the step's column lost with the copy, so it is refused, naming the reason."""

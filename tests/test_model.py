@@ -7,7 +7,7 @@ import torch
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from kernels.routing import capsule_routing, capsule_routing_votes, masked_mean, squash
 from training.seq2seq.layers import EncoderLayer
-from training.seq2seq.model import Seq2Seq
+from training.seq2seq.model import Seq2Seq, row_groups
 from training.seq2seq.multiview import view_index
 from training.seq2seq.positions import choose_mvpe_k, mvpe_objective, sinusoid_table
 from training.seq2seq.search import beam_search, greedy
@@ -55,6 +55,18 @@ def test_cached_incremental_decoding_equals_teacher_forcing(name, beam):
     for t in range(steps):
         log_probs, cache = model.decode_step(tgt[:, t], t, enc, cache, beam)
         torch.testing.assert_close(log_probs, reference[:, t], atol=1e-5, rtol=1e-4)
+
+
+def test_rows_join_their_sentences_groups_in_row_order():
+    """Rows in any order: each sentence's rows fill its group in row order, and a group narrower than
+    the widest is padded with R (no row); a row of sentence -1 joins no group and reads sentence 0.
+    A sentence past the last is refused: the grouping is compiled code, which checks no index."""
+    sentence, row_slot, group_rows = row_groups(torch.tensor([1, 0, -1, 1, 2, 1]), 3)
+    assert sentence.tolist() == [1, 0, 0, 1, 2, 1]
+    assert group_rows.tolist() == [[1, 6, 6], [0, 3, 5], [4, 6, 6]]
+    assert row_slot.tolist() == [3, 0, 0, 4, 6, 5]  # sentence * 3 + its place in the group
+    with pytest.raises(IndexError):
+        row_groups(torch.tensor([0, 3]), 2)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca", "graph_weight_gate_half", "mvpe_pos"])
