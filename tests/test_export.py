@@ -6,6 +6,7 @@ Parity tolerance: log-probabilities within atol 1e-4 + rtol 1e-4 (fp32; observed
 about 1e-5, from ONNX Runtime's fused kernels and a different summation order)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from collections import Counter
@@ -133,6 +134,46 @@ def test_a_sentence_may_join_the_batch_later_and_each_row_reads_only_its_own_col
                 torch.testing.assert_close(v[row, :, : positions[row] + 1], ref_v[0], **TOLERANCE)
 
 
+@dataclasses.dataclass
+class Twins:
+    """A tiny exported model twice: `onnx_model`, the backend under test, and `fresh`, a second
+    backend over the same repository that every step is compared with; each holds its own copy of
+    one random 3-row cache."""
+    model: Seq2Seq
+    onnx_model: OnnxModel
+    fresh: OnnxModel
+    enc: object
+    fresh_enc: object
+    cache: list
+    fresh_cache: list
+    g: torch.Generator
+
+    def step(self, tokens, positions, row_sentence, cache) -> None:
+        """onnx_model's step on `cache` (views of this cache's first rows) equals fresh's on the same
+        rows of its copy, given as new objects, so that it derives everything afresh."""
+        rows = len(row_sentence)
+        log_probs, top = self.onnx_model.step_top(tokens, positions, row_sentence, self.enc, cache, 4)
+        fresh_cache = [(k[:rows], v[:rows]) for k, v in self.fresh_cache]
+        expected, expected_top = self.fresh.step_top(tokens, positions, row_sentence.clone(), self.fresh_enc,
+                                                     fresh_cache, 4)
+        assert torch.equal(log_probs, expected) and all(torch.equal(a, b) for a, b in zip(top, expected_top))
+
+    def caches_equal(self) -> bool:
+        pairs = zip(self.cache, self.fresh_cache)
+        return all(torch.equal(a, b) for kv, fresh_kv in pairs for a, b in zip(kv, fresh_kv))
+
+
+def twins(tmp_path, spm_bytes, seed: int) -> Twins:
+    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
+    fresh = OnnxModel(tmp_path / "repo")
+    src, _ = random_batch(model.cfg, [5, 3])
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
+    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
+    return Twins(model, onnx_model, fresh, onnx_model.encode(src), fresh.encode(src), cache,
+                 [(k.clone(), v.clone()) for k, v in cache], g)
+
+
 def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing(tmp_path, spm_bytes, monkeypatch):
     """The engine hands the step the very row_sentence, encoder state and cache objects while no
     row joins or leaves: the backend then reuses the row groups it derived (OnnxModel._layout) and
@@ -140,30 +181,20 @@ def test_a_step_whose_row_layout_stays_reads_its_new_tokens_and_regroups_nothing
     (OnnxGraph.rerun: no other input or output is looked at). The log-probabilities and the cache are
     those of a model that derives everything afresh at every step; new row_sentence values (a new
     object) are grouped again."""
-    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
-    fresh = OnnxModel(tmp_path / "repo")
-    src, _ = random_batch(model.cfg, [5, 3])
-    enc, fresh_enc = onnx_model.encode(src), fresh.encode(src)
-    g = torch.Generator().manual_seed(5)
-    shape = (3, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
-    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
-    fresh_cache = [(k.clone(), v.clone()) for k, v in cache]
+    t = twins(tmp_path, spm_bytes, seed=5)
     grouped, bound = [], []
     monkeypatch.setattr("export.onnx_runtime.layout_inputs",
                         lambda *args, real=onnx_runtime.layout_inputs: grouped.append(1) or real(*args))
-    monkeypatch.setattr(onnx_model.decoder, "run",
-                        lambda *args, real=onnx_model.decoder.run, **kw: bound.append(1) or real(*args, **kw))
+    monkeypatch.setattr(t.onnx_model.decoder, "run",
+                        lambda *args, real=t.onnx_model.decoder.run, **kw: bound.append(1) or real(*args, **kw))
     row_sentence = torch.tensor([0, 0, 1])
     for step in range(3):
-        tokens = torch.randint(4, model.cfg.vocab_size, (3,), generator=g)
-        positions = torch.tensor([step, step, step])
-        log_probs, top = onnx_model.step_top(tokens, positions, row_sentence, enc, cache, 4)
-        expected, expected_top = fresh.step_top(tokens, positions, row_sentence.clone(), fresh_enc, fresh_cache, 4)
-        assert torch.equal(log_probs, expected) and all(torch.equal(a, b) for a, b in zip(top, expected_top))
-    assert all(torch.equal(a, b) for kv, fresh_kv in zip(cache, fresh_cache) for a, b in zip(kv, fresh_kv))
+        tokens = torch.randint(4, t.model.cfg.vocab_size, (3,), generator=t.g)
+        t.step(tokens, torch.tensor([step, step, step]), row_sentence, t.cache)
+    assert t.caches_equal()
     assert len(grouped) == 1 + 3  # this model's first step, and each of the fresh model's
     assert len(bound) == 1  # its later steps only rerun the binding
-    onnx_model.step_top(tokens, positions, torch.tensor([0, 1, 1]), enc, cache, 4)
+    t.onnx_model.step_top(tokens, torch.tensor([3, 3, 3]), torch.tensor([0, 1, 1]), t.enc, t.cache, 4)
     assert len(grouped) == 5 and len(bound) == 2
 
 
@@ -174,29 +205,18 @@ def test_a_row_count_that_comes_back_finds_its_own_input_tensors_and_the_steps_s
     one it had before finds its view again. Steps of 3, 2 and again 3 rows give the
     log-probabilities of a model that binds afresh, and a further step of the last layout only
     reruns the binding."""
-    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
-    fresh = OnnxModel(tmp_path / "repo")
-    src, _ = random_batch(model.cfg, [5, 3])
-    enc, fresh_enc = onnx_model.encode(src), fresh.encode(src)
-    g = torch.Generator().manual_seed(7)
-    shape = (3, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
-    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(model.cfg.dec_layers)]
-    fresh_cache = [(k.clone(), v.clone()) for k, v in cache]
+    t = twins(tmp_path, spm_bytes, seed=7)
     bound, bound_tokens = [], []
-    monkeypatch.setattr(onnx_model.decoder, "run",
-                        lambda *args, real=onnx_model.decoder.run, **kw: bound.append(1) or real(*args, **kw))
+    monkeypatch.setattr(t.onnx_model.decoder, "run",
+                        lambda *args, real=t.onnx_model.decoder.run, **kw: bound.append(1) or real(*args, **kw))
     layouts = [torch.tensor([0, 0, 1]), torch.tensor([0, 1]), torch.tensor([0, 1, 1])]
-    views = [[(k[:len(r)], v[:len(r)]) for k, v in cache] for r in layouts]  # the cache's first rows
+    views = [[(k[:len(r)], v[:len(r)]) for k, v in t.cache] for r in layouts]  # the cache's first rows
     for step, (row_sentence, rows_cache) in enumerate(zip(layouts + layouts[-1:], views + views[-1:])):
         rows = len(row_sentence)
-        tokens = torch.randint(4, model.cfg.vocab_size, (rows,), generator=g)
-        positions = torch.full((rows,), step)
-        log_probs, top = onnx_model.step_top(tokens, positions, row_sentence, enc, rows_cache, 4)
-        fresh_views = [(k[:rows], v[:rows]) for k, v in fresh_cache]
-        expected, expected_top = fresh.step_top(tokens, positions, row_sentence.clone(), fresh_enc, fresh_views, 4)
-        assert torch.equal(log_probs, expected) and all(torch.equal(a, b) for a, b in zip(top, expected_top))
-        bound_tokens.append(onnx_model.decoder.local.bound["tokens"])
-    assert all(torch.equal(a, b) for kv, fresh_kv in zip(cache, fresh_cache) for a, b in zip(kv, fresh_kv))
+        t.step(torch.randint(4, t.model.cfg.vocab_size, (rows,), generator=t.g), torch.full((rows,), step),
+               row_sentence, rows_cache)
+        bound_tokens.append(t.onnx_model.decoder.local.bound["tokens"])
+    assert t.caches_equal()
     assert bound_tokens[2] is bound_tokens[0] and bound_tokens[1] is not bound_tokens[0]
     assert len(bound) == 3  # the last step reran the binding of the one before
 
