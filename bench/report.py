@@ -375,8 +375,7 @@ def ceiling(data: dict, ct2_ms: float, floor: float | None) -> str:
             f"{engine + floor:.2f} core-ms per text against CTranslate2's {ct2_ms:.2f}, a ratio of {bound:.2f} at "
             f"best, with the client on the same cores. The server's {served} is {served / bound:.0%} of that "
             f"bound; 1.0 needs an engine of at most {ct2_ms - floor:.2f} core-ms per text, "
-            f"{engine / (ct2_ms - floor):.2f}× "
-            f"faster than this one.")
+            f"{engine / (ct2_ms - floor):.2f}× faster than this one.")
 
 
 def step_section(data: dict, results: Path, out: Path) -> str:

@@ -123,6 +123,7 @@ class OnnxGraph:
         costs nothing here, and so does one named in `unchanged`: the caller vouches that it is the
         tensor it gave last run, with the same values (it is not read)."""
         binding, bound = self._binding()
+        raw = binding._iobinding  # its pybind object: _bind's bind_input and bind_output
         aliased = {t.data_ptr() for t in (out or {}).values()}
         for t in self.spec.inputs:
             if t.name in unchanged:
@@ -133,14 +134,14 @@ class OnnxGraph:
             tensor = given.to(self.device, TORCH_TYPES[t.dtype]).contiguous()
             if tensor.nbytes <= SMALL_INPUT_BYTES and tensor.data_ptr() not in aliased:
                 tensor = self._owned(t.name, tuple(tensor.shape), tensor.dtype).copy_(tensor)
-            self._bind(binding._iobinding.bind_input, bound, t, tensor)
+            self._bind(raw.bind_input, bound, t, tensor)
         outputs = dict(out or {})
         for t in self.spec.outputs:
             if t.name not in outputs:
                 shape, dtype = output_shapes[t.name], TORCH_TYPES[t.dtype]
                 outputs[t.name] = self._owned(t.name, shape, dtype) if reuse else \
                     torch.empty(shape, dtype=dtype, device=self.device)
-            self._bind(binding._iobinding.bind_output, bound, t, outputs[t.name])
+            self._bind(raw.bind_output, bound, t, outputs[t.name])
         self.session.run_with_iobinding(binding)
         return outputs
 
