@@ -243,6 +243,30 @@ def test_a_second_run_reuses_the_cache_storage_and_its_stale_columns_change_no_o
     assert {engine.batch.storage.data_ptr(), engine.batch.spare.data_ptr()} == storages
 
 
+def test_source_layouts_alternate_between_two_storages_and_their_stale_columns_change_no_output():
+    """The encoder slots' source axis grows with a long source and shrinks once it leaves; each new
+    layout is written into the spare of two kept storages: once they have seen the largest layout,
+    nothing is allocated, and what earlier sources left in unwritten columns stays masked."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model)
+    srcs = sources(model, [15, 4, 5], seed=5)
+    quick, slow = DecodingOptions(beam=2, max_len_a=0, max_len_b=2), DecodingOptions(beam=2, max_len_b=12)
+
+    def run() -> list[list[int]]:
+        seqs = [make_seq(model, srcs[0], quick)] + [make_seq(model, s, slow) for s in srcs[1:]]
+        engine.submit(seqs)
+        engine.run_until_idle()
+        assert engine.batch.sources.width == 8  # laid out again once the long source left
+        return [h.tokens for s in seqs for h in s.hypotheses]
+
+    first = run()
+    slots = engine.batch.sources
+    storages = {slots.storage.data_ptr(), slots.spare.data_ptr()}
+    assert slots.spare.abs().sum() > 0  # the former layout's keys and values, not zeros
+    assert run() == first == [h.tokens for src, o in zip(srcs, (quick, slow, slow)) for h in offline(model, src, o)]
+    assert {slots.storage.data_ptr(), slots.spare.data_ptr()} == storages
+
+
 def test_batching_policies_give_identical_outputs():
     model = tiny_model()
     srcs = sources(model, [7, 3, 9, 5], seed=1)
