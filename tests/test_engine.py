@@ -169,14 +169,40 @@ def test_a_departure_below_running_rows_moves_the_top_row_down_so_that_no_step_c
         assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in offline(model, seq.src, seq.options)]
 
 
-def test_a_beams_first_child_keeps_its_slot_and_later_children_take_the_lowest_free_slots():
-    """Parents by row 3, 3, 1, 3 in 5 slots: the first children keep 3 and 1; the other two children
-    of 3 take 0 and 2, the lowest slots no first child keeps (the parents' old slots included), and
-    slots past the storage once none is free, which the batch then grows to."""
-    slot, forks = fork_slots(np.array([3, 3, 1, 3]), 5)
-    assert slot.tolist() == [3, 0, 1, 2] and forks.tolist() == [1, 3]
-    slot, forks = fork_slots(np.array([0, 1, 0, 1, 0]), 2)
-    assert slot.tolist() == [0, 1, 2, 3, 4] and forks.tolist() == [2, 3, 4]
+def test_a_beams_first_child_keeps_its_slot_and_later_children_take_ending_siblings_slots_then_the_lowest_free():
+    """Two sequences: rows 0-2 (slots 4, 0, 2) and rows 3-4 (slots 1, 3), children of rows
+    0, 0, 0, 3, 3, 3. First children keep 4 and 1. Row 0's later children take the slots of its
+    childless siblings, the longest shared prefix first: row 1 (two tokens: columns BOS, 5, 6 are
+    the same, 3 shared) then row 2 (one token: 2 shared); row 3's second child takes row 4's
+    (2 shared), and its third, with no sibling left, the lowest free slot: past the storage."""
+    history = np.array([[5, 6, 7], [5, 6, 9], [5, 8, 1], [2, 2, 0], [2, 3, 0]])
+    slot, forks, shared = fork_slots(np.array([0, 0, 0, 3, 3, 3]), np.array([4, 0, 2, 1, 3]),
+                                     np.array([0, 0, 0, 1, 1]), np.array([3, 3, 3, 2, 2]), history, 5)
+    assert slot.tolist() == [4, 0, 2, 1, 3, 5] and forks.tolist() == [1, 2, 4, 5] and shared.tolist() == [3, 2, 2, 0]
+    slot, forks, shared = fork_slots(np.array([0, 0]), np.array([2]), np.array([0]), np.array([1]),
+                                     np.array([[7]]), 4)
+    assert slot.tolist() == [2, 0] and forks.tolist() == [1] and shared.tolist() == [0]  # slot 0 is free
+
+
+def test_rows_of_a_sequence_hold_the_same_bytes_in_the_columns_of_their_shared_prefix():
+    """What a fork's copy skips (fork_slots): two beams of one text whose tokens agree up to some
+    point hold identical keys and values for BOS and those tokens, bit for bit, at every step."""
+    model = tiny_model("vanilla")
+    engine = engine_for(model)
+    seq = make_seq(model, sources(model, [9], seed=7)[0], DecodingOptions(beam=5, min_length=8, max_len_b=12))
+    engine.submit([seq])
+    batch, compared = engine.batch, 0
+    while seq.status is None:
+        engine.iterate()
+        for a in range(batch.rows):
+            for b in range(a + 1, batch.rows):
+                n = int(batch.positions[a])
+                common = next((k for k in range(n - 1) if batch.history[a, k] != batch.history[b, k]), n - 1)
+                kv = batch.kv
+                assert torch.equal(kv[:, batch.slot[a], :, :common + 1], kv[:, batch.slot[b], :, :common + 1])
+                compared += common > 0
+    assert compared > 0 and seq.status == OK
+    assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in offline(model, seq.src, seq.options)]
 
 
 def test_steps_that_keep_the_row_layout_hand_the_backend_the_same_row_sentence():

@@ -16,11 +16,14 @@ A joining sequence takes free slots (nothing is copied); a leaving one frees its
 decoder step writes each slot's new key and value in place, at its position, and reads only the
 columns up to it (Seq2Seq.step), so a step costs what the rows hold whatever the width. The first
 surviving child of a beam keeps its parent's slot; only a second child of the same parent copies
-the parent's slot. The step runs over slots 0..n-1 (the highest in use), so the top rows are
-moved down into any empty slot below them at once (_close_up): an empty slot would be computed
-and ignored at every step. The storage grows (slots, and columns in steps of COLUMNS) as needed
-and is kept when the batch empties: since width costs a step nothing, it is never narrowed
-again. A resize lays the cache out anew in a second, spare storage and swaps the two: fresh
+the parent's columns: into the slot of a sibling beam that ends at this step (the one whose
+tokens share the longest prefix with the parent's: the columns of BOS and that prefix are the
+same bytes in both, copied from one ancestor's, so only the columns after them are copied), else
+into the lowest free slot. The step runs over slots 0..n-1 (the highest in use), so the top rows
+are moved down into any empty slot below them at once (_close_up): an empty slot would be
+computed and ignored at every step. The storage grows (slots, and columns in steps of COLUMNS)
+as needed and is kept when the batch empties: since width costs a step nothing, it is never
+narrowed again. A resize lays the cache out anew in a second, spare storage and swaps the two: fresh
 memory costs a page fault per page, several times the copy. Both storages hold only finite
 numbers (the PyTorch step masks the columns past a row's position, and 0 x NaN is NaN).
 
@@ -234,11 +237,11 @@ class Batch:
         """Rows `rows` (old indices) survive, in order, as beams of sequences `alive`, `leaving`
         are gone; after a step each row is its parent's child, one token longer."""
         if stepped:
-            slot, positions, history, forks, parents = next_rows(self.slot, self.positions, self.history, rows,
-                                                                 tokens, self.capacity)
+            slot, positions, history, forks, parents, shared = next_rows(self.slot, self.positions, self.history,
+                                                                         self.row_seq, rows, tokens, self.capacity)
             if len(forks):  # a parent's later children copy its slot's columns into theirs
                 self._reserve(0, int(slot[forks].max()) + 1)  # (the slots in use are still the parents')
-                self._copy_slots(parents, slot[forks], positions[forks])
+                self._copy_slots(parents, slot[forks], shared, positions[forks])
         else:
             slot, positions, history = self.slot[rows], self.positions[rows], self.history[rows]
         self.slot, self.history, self.positions, self.tokens, self.scores = slot, history, positions, tokens, scores
@@ -257,16 +260,17 @@ class Batch:
         if len(alive):  # else the storage stays as it is for the next sequences
             self._close_up()
 
-    def _copy_slots(self, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
-        """Slot targets[i] <- slot sources[i], its first columns[i] columns (the rest are not its own):
-        rows of a running batch are at every step of their texts, and a young row's fork moves a
-        few columns, not the oldest row's. The two sets never meet."""
+    def _copy_slots(self, sources: np.ndarray, targets: np.ndarray, starts: np.ndarray, columns: np.ndarray) -> None:
+        """Slot targets[i] <- slot sources[i], its columns starts[i] to columns[i] - 1 (those before are
+        the same bytes already, those after are not its own): rows of a running batch are at every
+        step of their texts, and a young row's fork moves a few columns, not the oldest row's. The
+        two sets never meet."""
         if self.compiled_copies:
-            copy_columns(self.kv.numpy(), sources, targets, columns)
+            copy_columns(self.kv.numpy(), sources, targets, starts, columns)
             return
         # an accelerator's cache: compiled (Numba CPU) code cannot reach it
-        for source, target, n in zip(sources.tolist(), targets.tolist(), columns.tolist()):
-            self.kv[:, target, :, :n] = self.kv[:, source, :, :n]
+        for source, target, start, n in zip(sources.tolist(), targets.tolist(), starts.tolist(), columns.tolist()):
+            self.kv[:, target, :, start:n] = self.kv[:, source, :, start:n]
 
     def _free_slots(self, n: int, taken: np.ndarray) -> np.ndarray:
         """The n lowest slots not in `taken`, growing the slots if there are too few."""
@@ -306,7 +310,7 @@ class Batch:
             return
         high = np.flatnonzero(self.slot >= rows)
         free = self._free_slots(len(high), self.slot)
-        self._copy_slots(self.slot[high], free, self.positions[high])
+        self._copy_slots(self.slot[high], free, np.zeros(len(high), np.int64), self.positions[high])
         self.slot[high] = free
 
 
@@ -341,28 +345,58 @@ def children(rows, tokens, scores, kept, done):
 
 
 @numba.njit(cache=True, nogil=True)
-def next_rows(slot, positions, history, rows, tokens, capacity: int):
+def next_rows(slot, positions, history, row_seq, rows, tokens, capacity: int):
     """After a step, rows `rows` (old indices) go on, each its parent's child with its token in
-    `tokens` appended: (their slots, positions, history; the children that fork (fork_slots) and
-    their parents' slots)."""
-    parents, parent_positions = slot[rows], positions[rows]
-    child_slot, forks = fork_slots(parents, capacity)
+    `tokens` appended: (their slots, positions, history; the children that fork, their parents'
+    slots and the columns their own slots already hold: fork_slots)."""
+    child_slot, forks, shared = fork_slots(rows, slot, row_seq, positions, history, capacity)
+    parent_positions = positions[rows]
     history = extended_history(history, rows, parent_positions, tokens)
-    return child_slot, parent_positions + 1, history, forks, parents[forks]
+    return child_slot, parent_positions + 1, history, forks, slot[rows][forks], shared
 
 
 @numba.njit(cache=True, nogil=True)
-def fork_slots(parents: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """(each child's slot, the children that fork): a parent's first child keeps its slot; the
-    others, in order, take the lowest slots that no first child keeps, past `capacity` if need be."""
-    kept = np.zeros(capacity, np.bool_)
-    first = np.zeros(len(parents), np.bool_)
-    for i in range(len(parents)):
-        if not kept[parents[i]]:
-            kept[parents[i]] = first[i] = True
-    slot, forks = parents.copy(), np.flatnonzero(~first)
-    slot[forks] = lowest_free(parents[first], len(forks), capacity)
-    return slot, forks
+def fork_slots(rows, slot, row_seq, positions, history, capacity: int):
+    """(each child's slot, the children that fork, the columns each fork's slot already holds) for
+    children of the old rows `rows`, in order, after a step. A parent's first child keeps its slot.
+    A later child takes the slot of a row of the same sequence that has no child (of those no other
+    child took, the one whose tokens share the longest prefix with its parent's): the columns
+    whose inputs lie in BOS + the prefix are the same bytes in both, copied from one ancestor's
+    (the step has just written the last of them in both). Where no such row is left, it takes
+    the lowest slot no child keeps or took, past `capacity` if need be."""
+    n_rows = len(slot)
+    taken = np.zeros(capacity, np.bool_)
+    has_child = np.zeros(n_rows, np.bool_)
+    first = np.zeros(len(rows), np.bool_)
+    for i in range(len(rows)):
+        has_child[rows[i]] = True
+        if not taken[slot[rows[i]]]:
+            taken[slot[rows[i]]] = first[i] = True
+    child_slot, forks = slot[rows], np.flatnonzero(~first)
+    shared = np.zeros(len(forks), np.int64)
+    unplaced = np.zeros(len(forks), np.bool_)
+    for f in range(len(forks)):
+        parent = rows[forks[f]]
+        best, common, row = -1, 0, parent
+        while row > 0 and row_seq[row - 1] == row_seq[parent]:  # a sequence's rows are contiguous
+            row -= 1
+        while row < n_rows and row_seq[row] == row_seq[parent]:
+            if not has_child[row] and not taken[slot[row]]:
+                k, n = 0, min(positions[parent], positions[row])
+                while k < n and history[parent, k] == history[row, k]:
+                    k += 1
+                if best < 0 or k > common:
+                    best, common = row, k
+            row += 1
+        if best < 0:
+            unplaced[f] = True
+        else:
+            child_slot[forks[f]] = slot[best]
+            taken[slot[best]] = True
+            shared[f] = min(common + 1, positions[parent] + 1)
+    rest = forks[np.flatnonzero(unplaced)]
+    child_slot[rest] = lowest_free(np.flatnonzero(taken), len(rest), capacity)
+    return child_slot, forks, shared
 
 
 @numba.njit(cache=True, nogil=True)
@@ -381,14 +415,16 @@ def lowest_free(taken: np.ndarray, n: int, capacity: int) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def copy_columns(kv: np.ndarray, sources: np.ndarray, targets: np.ndarray, columns: np.ndarray) -> None:
-    """kv (planes, slots, H, width, d_h): slot targets[i] <- slot sources[i], first columns[i] columns;
-    one contiguous block per plane and head (NumPy copies the 5-D view's strided slices more slowly)."""
+def copy_columns(kv: np.ndarray, sources: np.ndarray, targets: np.ndarray, starts: np.ndarray,
+                 columns: np.ndarray) -> None:
+    """kv (planes, slots, H, width, d_h): slot targets[i] <- slot sources[i], columns starts[i] to
+    columns[i] - 1; one contiguous block per plane and head (NumPy copies the 5-D view's strided
+    slices more slowly)."""
     for i in range(len(sources)):
-        n = columns[i]
+        a, n = starts[i], columns[i]
         for plane in range(kv.shape[0]):
             for head in range(kv.shape[2]):
-                kv[plane, targets[i], head, :n] = kv[plane, sources[i], head, :n]
+                kv[plane, targets[i], head, a:n] = kv[plane, sources[i], head, a:n]
 
 
 def constrained(seq: Sequence) -> bool:
