@@ -23,9 +23,9 @@ into the lowest free slot. The step runs over slots 0..n-1 (the highest in use),
 are moved down into any empty slot below them at once (_close_up): an empty slot would be
 computed and ignored at every step. The storage grows (slots, and columns in steps of COLUMNS)
 as needed and is kept when the batch empties: since width costs a step nothing, it is never
-narrowed again. A resize lays the cache out anew in a second, spare storage and swaps the two: fresh
-memory costs a page fault per page, several times the copy. Both storages hold only finite
-numbers (the PyTorch step masks the columns past a row's position, and 0 x NaN is NaN).
+narrowed again. A resize lays the cache out anew in a second, spare storage and swaps the two:
+fresh memory costs a page fault per page, several times the copy. Both storages hold only
+finite numbers (the PyTorch step masks the columns past a row's position, and 0 x NaN is NaN).
 
 The search rule is training.seq2seq.beam's, as in training.seq2seq.search.beam_search: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the

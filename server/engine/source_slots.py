@@ -13,9 +13,9 @@ grow by doubling, and the top slots are moved down into holes once an eighth of 
 A new layout (one every 25 steps or so under load) is written into a second, spare storage and
 the two are swapped, as the batch's cache does, with only the slots up to the highest in use
 copied: a fresh storage is zeroed whole, and with two engine processes sharing the machine's
-memory bandwidth, that traffic made the layouts a large share of the cache phase. Both storages hold
-only finite numbers, so a column or slot that a layout leaves unwritten keeps what an earlier
-source left there: masked, and finite under the mask (0 x NaN is NaN).
+memory bandwidth that traffic made the layouts a large share of the cache phase. Both storages
+hold only finite numbers, so a column or slot that a layout leaves unwritten keeps what an
+earlier source left there: masked, and finite under the mask (0 x NaN is NaN).
 The tensors the step reads are torch's, on the engine's device; which slot holds what is NumPy, as
 the batch's own state. On the CPU the writes go through NumPy views of the same memory, whose
 indexed copies cost less per call than torch's; on a GPU through torch's indexing (_writable).
