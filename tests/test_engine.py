@@ -263,10 +263,11 @@ def test_a_second_run_reuses_the_cache_storage_and_its_stale_columns_change_no_o
         return [h.tokens for s in seqs for h in s.hypotheses]
 
     first = run()
-    storages = {engine.batch.storage.data_ptr(), engine.batch.spare.data_ptr()}
-    assert engine.batch.storage.abs().sum() > 0  # stale keys and values, not zeros
+    kept = engine.batch.storages
+    storages = {kept.live.data_ptr(), kept.spare.data_ptr()}
+    assert kept.live.abs().sum() > 0  # stale keys and values, not zeros
     assert run() == first == [h.tokens for src in srcs for h in offline(model, src, options)]
-    assert {engine.batch.storage.data_ptr(), engine.batch.spare.data_ptr()} == storages
+    assert {kept.live.data_ptr(), kept.spare.data_ptr()} == storages
 
 
 def test_source_layouts_alternate_between_two_storages_and_their_stale_columns_change_no_output():
@@ -286,11 +287,11 @@ def test_source_layouts_alternate_between_two_storages_and_their_stale_columns_c
         return [h.tokens for s in seqs for h in s.hypotheses]
 
     first = run()
-    slots = engine.batch.sources
-    storages = {slots.storage.data_ptr(), slots.spare.data_ptr()}
-    assert slots.spare.abs().sum() > 0  # the former layout's keys and values, not zeros
+    kept = engine.batch.sources.storages
+    storages = {kept.live.data_ptr(), kept.spare.data_ptr()}
+    assert kept.spare.abs().sum() > 0  # the former layout's keys and values, not zeros
     assert run() == first == [h.tokens for src, o in zip(srcs, (quick, slow, slow)) for h in offline(model, src, o)]
-    assert {slots.storage.data_ptr(), slots.spare.data_ptr()} == storages
+    assert {kept.live.data_ptr(), kept.spare.data_ptr()} == storages
 
 
 def test_batching_policies_give_identical_outputs():

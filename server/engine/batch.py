@@ -23,9 +23,8 @@ into the lowest free slot. The step runs over slots 0..n-1 (the highest in use),
 are moved down into any empty slot below them at once (_close_up): an empty slot would be
 computed and ignored at every step. The storage grows (slots, and columns in steps of COLUMNS)
 as needed and is kept when the batch empties: since width costs a step nothing, it is never
-narrowed again. A resize lays the cache out anew in a second, spare storage and swaps the two:
-fresh memory costs a page fault per page, several times the copy. Both storages hold only
-finite numbers (the PyTorch step masks the columns past a row's position, and 0 x NaN is NaN).
+narrowed again. A resize lays the cache out anew in the spare of two kept storages (storage.py;
+the PyTorch step masks the columns past a row's position).
 
 The search rule is training.seq2seq.beam's, as in training.seq2seq.search.beam_search: candidates are the top
 2 x beam of (row score + log-probability) over the sequence's rows; an EOS (or any token at the
@@ -48,7 +47,6 @@ the backend's step picked, finished hypotheses), advance() moves the rows into t
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numba
@@ -61,6 +59,7 @@ from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
 from .source_slots import SourceSlots, host
+from .storage import TwoStorages
 from .topk import row_topk
 
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
@@ -91,9 +90,8 @@ class Batch:
         self.scores = np.empty(0, np.float32)
         self.history = np.empty((0, COLUMNS), np.int64)
         self.slot = np.empty(0, np.int64)
-        self.kv: torch.Tensor | None = None  # a view of the front of `storage`
-        self.storage: torch.Tensor | None = None
-        self.spare: torch.Tensor | None = None  # the other storage, for the next resize
+        self.kv: torch.Tensor | None = None  # a view of the front of storages.live
+        self.storages = TwoStorages(device)
         self.views: tuple | None = None  # (kv, n, the step's cache views): _cache_views
         self.row_sentence: torch.Tensor | None = None  # the last step's, the same object while its values stay
 
@@ -288,17 +286,13 @@ class Batch:
 
     def _resize(self, slots: int, width: int) -> None:
         """The cache laid out anew in the spare storage, with the slots in use (up to the highest in
-        `slot`) copied over; the spare is replaced only when too small, so each storage stays at
-        most the largest cache the batch has needed (two of them: the memory bound)."""
-        shape = (2 * self.cfg.dec_layers, slots, self.n_heads, width, self.d_head)
-        size = math.prod(shape)
-        if self.spare is None or self.spare.numel() < size:
-            self.spare = torch.zeros(size, device=self.device)  # zeros: finite, as every column must be
-        kv = self.spare[:size].view(shape)
+        `slot`) copied over; each storage stays at most the largest cache the batch has needed (two
+        of them: the memory bound)."""
+        kv = self.storages.next_layout((2 * self.cfg.dec_layers, slots, self.n_heads, width, self.d_head))
         if self.kv is not None and len(self.slot):
             used, w = int(self.slot.max()) + 1, min(width, self.width)
             kv[:, :used, :, :w] = self.kv[:, :used, :, :w]
-        self.kv, self.storage, self.spare = kv, self.spare, self.storage
+        self.kv = kv
 
     def _close_up(self) -> None:
         """Move the rows in the highest slots down into the empty ones below them, whenever there
@@ -381,8 +375,8 @@ def fork_slots(rows, slot, row_seq, positions, history, capacity: int):
         while row > 0 and row_seq[row - 1] == row_seq[parent]:  # a sequence's rows are contiguous
             row -= 1
         while row < n_rows and row_seq[row] == row_seq[parent]:
-            if not has_child[row] and not taken[slot[row]]:
-                k, n = 0, min(positions[parent], positions[row])
+            if not has_child[row] and not taken[slot[row]]:  # (a sequence's rows share their position)
+                k, n = 0, positions[parent]
                 while k < n and history[parent, k] == history[row, k]:
                     k += 1
                 if best < 0 or k > common:
@@ -393,7 +387,7 @@ def fork_slots(rows, slot, row_seq, positions, history, capacity: int):
         else:
             child_slot[forks[f]] = slot[best]
             taken[slot[best]] = True
-            shared[f] = min(common + 1, positions[parent] + 1)
+            shared[f] = common + 1
     rest = forks[np.flatnonzero(unplaced)]
     child_slot[rest] = lowest_free(np.flatnonzero(taken), len(rest), capacity)
     return child_slot, forks, shared

@@ -10,24 +10,23 @@ rows say which slot they read. A free slot among them is computed and read by no
 keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
 grows in steps of COLUMNS to the longest source and shrinks once the longest leaves; the slots
 grow by doubling, and the top slots are moved down into holes once an eighth of them are empty.
-A new layout (one every 25 steps or so under load) is written into a second, spare storage and
-the two are swapped, as the batch's cache does, with only the slots up to the highest in use
-copied: a fresh storage is zeroed whole, and with two engine processes sharing the machine's
-memory bandwidth that traffic made the layouts a large share of the cache phase. Both storages
-hold only finite numbers, so a column or slot that a layout leaves unwritten keeps what an
-earlier source left there: masked, and finite under the mask (0 x NaN is NaN).
+A new layout (one every 25 steps or so under load) is written into the spare of two kept
+storages (storage.py, as the batch's cache is), with only the slots up to the highest in use
+copied: with two engine processes sharing the machine's memory bandwidth, zeroing a fresh
+storage and copying every slot made the layouts a large share of the cache phase. A column or
+slot that a layout leaves unwritten keeps what an earlier source left there: masked.
 The tensors the step reads are torch's, on the engine's device; which slot holds what is NumPy, as
 the batch's own state. On the CPU the writes go through NumPy views of the same memory, whose
 indexed copies cost less per call than torch's; on a GPU through torch's indexing (_writable).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from training.seq2seq.model import EncoderState
+
+from .storage import TwoStorages
 
 COLUMNS = 8  # the source axis grows and shrinks in steps of this many columns
 
@@ -37,8 +36,7 @@ class SourceSlots:
         self.device = device
         self.numpy_views = device.type == "cpu"  # writes through NumPy views; else torch's indexing (_writable)
         self.memory: torch.Tensor | None = None  # (2 x layers, slots, H, width, d_h): K at 2i, V at 2i + 1
-        self.storage: torch.Tensor | None = None  # what memory is a view of (flat)
-        self.spare: torch.Tensor | None = None  # the other storage, for the next layout
+        self.storages = TwoStorages(device)  # memory is a view of storages.live
         self.src_pad = torch.ones(0, 0, dtype=torch.bool, device=device)  # (slots, width) True = not a source piece
         self.global_state: torch.Tensor | None = None  # (slots, D), GRET only
         self.gate_source: torch.Tensor | None = None
@@ -135,12 +133,7 @@ class SourceSlots:
             _, heads, _, d_head = like.memory[0][0].shape
         else:
             planes, _, heads, _, d_head = old.shape
-        shape = (planes, slots, heads, width, d_head)
-        size = math.prod(shape)
-        if self.spare is None or self.spare.numel() < size:
-            self.spare = torch.zeros(size, device=self.device)  # zeros: finite, as every column must be
-        self.memory = self.spare[:size].view(shape)
-        self.storage, self.spare = self.spare, self.storage
+        self.memory = self.storages.next_layout((planes, slots, heads, width, d_head))
         src_pad = torch.ones(slots, width, dtype=torch.bool, device=self.device)
         src_pad[:, 0] = False
         lengths = np.zeros(slots, np.int64)
