@@ -79,7 +79,13 @@ def split(shares: dict | None) -> str:
 
 
 def top_k_note(settings: dict) -> str:
-    """Which phase a run counted each row's top-k in: the search's, until the decoder step took it over."""
+    """Which phase a run counted each row's top-k in and how it was chosen: the search's, until the
+    decoder step took it over, first as ONNX Runtime's TopK in the graph, then from the graph's
+    block maxima on the host."""
+    if settings.get("top_k_phase") == "decoder-blocks":
+        return ("Each row's top-k candidates are chosen within the decoder step, from the maxima of its "
+                "log-probabilities' 64-column blocks (the graph's ReduceMax; the rest on the host, "
+                "training.seq2seq.beam.row_top_k).")
     if settings.get("top_k_phase") == "decoder":
         return "Each row's top-k candidates are chosen inside the decoder step (ONNX Runtime's TopK in the graph)."
     return "Each row's top-k candidates are counted under search (ONNX Runtime's TopK, run after the step)."

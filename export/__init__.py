@@ -15,12 +15,12 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
   global.onnx   capsules (M*batch, K, d_c) -> global_state [, gate_source] (batch, D)
   decoder.onnx  tokens (R,) int64, positions (R,) int64 (the keys each row holds: its columns
                 0..positions[r] - 1 of the cache), row_sentence (R,) int64, the encoder's outputs,
-                past_key.i / past_value.i (R, H, past_len, d_h), past_len > max(positions),
-                top_k (1,) int64
+                past_key.i / past_value.i (R, H, past_len, d_h), past_len > max(positions)
              -> log_probs (R, V) float32, present_key.i / present_value.i (R, H, past_len, d_h): the
                 past with this step's column written at positions[r] (ONNX Runtime's
                 GroupQueryAttention; bound to the past's own memory, the cache is updated in place),
-                top_log_probs / top_tokens (R, top_k): each row's best, for the beam search
+                block_max (R, V / 64): the maxima of 64-column blocks of log_probs, from which the
+                runtime picks each row's best tokens for the beam search (training.seq2seq.beam.row_top_k)
 
 Modules: spec.py (what the graphs hold), graphs.py (the modules that are traced: the encoder pass,
 the global state after routing and the model's own decoder step, Seq2Seq.step_rows),

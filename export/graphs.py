@@ -10,12 +10,11 @@ hold the ONNX graphs to the model.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from kernels.routing import capsule_votes
+from training.seq2seq.beam import block_maxima
 from training.seq2seq.model import EncoderState, Seq2Seq, row_groups
 
 from .spec import cross_names, decoder_spec, past_names, per_sentence
@@ -61,10 +60,11 @@ class GlobalGraph(nn.Module):
 
 class DecoderGraph(nn.Module):
     """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
-    the per-sentence tensors, past K/V per layer, top_k), positionally in spec order ->
+    the per-sentence tensors, past K/V per layer), positionally in spec order ->
     log_probs (R, V), the past K/V per layer with this step's column written (present, (R, H, T, d_h)),
-    each row's top_k best log-probabilities and tokens (R, top_k): Seq2Seq.step_rows, the model's
-    own step, in plain torch ops (kernels=False) so that tracing follows it, then ONNX's TopK."""
+    the maxima of log_probs' blocks (training.seq2seq.beam.block_maxima, for the host's top-k):
+    Seq2Seq.step_rows, the model's own step, in plain torch ops (kernels=False) so that tracing
+    follows it."""
 
     def __init__(self, model: Seq2Seq):
         super().__init__()
@@ -78,26 +78,7 @@ class DecoderGraph(nn.Module):
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
         log_probs, present = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
                                          named["group_rows"], named["row_slot"], enc, past)
-        return (log_probs, *(t for kv in present for t in kv), *block_topk(log_probs, named["top_k"]))
-
-
-def block_topk(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, -1) over rows (R, V) as ONNX's TopK orders it (best first, of equal values the
-    lower index first), in two small passes instead of one over the whole row: ONNX Runtime's
-    TopK is slow over a vocabulary-sized row, where ReduceMax is one plain pass. The row is cut into
-    blocks; each of the k best values lies in one of the k blocks with the best maxima (a block
-    left out has k blocks whose maxima rank above everything in it), so TopK runs over the block
-    maxima and then over those k blocks, gathered in index order so that ties resolve as before.
-    A vocabulary with no divisor in [16, 64] keeps the plain TopK."""
-    vocab = int(x.shape[1])  # static: a constant in the traced graph, so its shapes need no arithmetic
-    block = next((b for b in range(64, 15, -1) if vocab % b == 0), None)
-    if block is None:
-        return x.topk(k, -1)
-    blocks = vocab // block
-    chosen = x.reshape(-1, blocks, block).amax(-1).topk(torch.clamp(k, max=blocks), -1).indices.sort(-1).values
-    columns = (chosen[:, :, None] * block + torch.arange(block)).flatten(1)  # (R, k * block), ascending
-    values, at = x.gather(1, columns).topk(k, -1)
-    return values, columns.gather(1, at)
+        return (log_probs, *(t for kv in present for t in kv), block_maxima(log_probs))
 
 
 def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -112,26 +93,20 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
 
 
 def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
-                   cache: list, top_k: int) -> dict[str, torch.Tensor]:
+                   cache: list) -> dict[str, torch.Tensor]:
     """The decoder step's inputs by name (a superset of any one model's spec)."""
-    return {"tokens": tokens, "positions": positions} | layout_inputs(row_sentence, enc, cache, top_k)
+    return {"tokens": tokens, "positions": positions} | layout_inputs(row_sentence, enc, cache)
 
 
-def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> dict[str, torch.Tensor]:
+def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState, cache: list) -> dict[str, torch.Tensor]:
     """The step's inputs other than its tokens and positions: what the rows' layout decides. A row
     whose row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
     sentence, row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-    inputs = {"row_sentence": sentence, "row_slot": row_slot, "group_rows": group_rows, "top_k": top_k_input(top_k)}
+    inputs = {"row_sentence": sentence, "row_slot": row_slot, "group_rows": group_rows}
     inputs |= dict(zip(state_names(enc), flatten_state(enc)))
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))
     return inputs
-
-
-@functools.lru_cache(maxsize=None)
-def top_k_input(k: int) -> torch.Tensor:
-    """The graph's top_k input, made once per k (read, never written)."""
-    return torch.tensor([k])
 
 
 def flatten_state(enc: EncoderState) -> tuple[torch.Tensor, ...]:

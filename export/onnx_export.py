@@ -23,7 +23,7 @@ ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT
 
 # Sample sizes for tracing: all different from each other and > 1, so that no axis is mistaken for
 # another or specialised to a constant.
-SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST, SAMPLE_TOP_K, SAMPLE_WIDTH = 2, 7, 3, 4, 5, 6
+SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST, SAMPLE_WIDTH = 2, 7, 3, 4, 6
 
 
 class ExportError(ValueError):
@@ -56,7 +56,7 @@ def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple
     positions = torch.tensor([SAMPLE_PAST, SAMPLE_PAST, 1])  # rows that joined at different steps
     past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_WIDTH, d_head) for _ in range(2 * cfg.dec_layers)]  # room to spare
     enc = unflatten_state(cfg, per_sentence)
-    inputs = decoder_inputs(tokens, positions, row_sentence, enc, list(zip(past[::2], past[1::2])), SAMPLE_TOP_K)
+    inputs = decoder_inputs(tokens, positions, row_sentence, enc, list(zip(past[::2], past[1::2])))
     return tuple(inputs[name] for name in decoder_spec(cfg).input_names())
 
 

@@ -23,6 +23,7 @@ import torch
 
 from kernels.routing import route_votes
 from training.seq2seq import search
+from training.seq2seq.beam import row_top_k
 from training.seq2seq.config import ModelConfig
 from training.seq2seq.model import EncoderState, grown_step
 
@@ -169,13 +170,12 @@ def output_shapes(spec: GraphSpec, sizes: dict[str, int]) -> dict[str, tuple[int
 
 # The step's inputs that only the row layout decides (OnnxModel._layout): a step of an unchanged
 # layout gives ONNX Runtime its new tokens and positions and nothing else.
-LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", "group_rows", "top_k"})
+LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", "group_rows"})
 
 
 @dataclass
 class StepLayout:
     key: tuple  # (row_sentence, enc, cache): the caller's objects, compared by identity
-    top_k: int
     inputs: dict[str, torch.Tensor]  # every decoder input but tokens and positions
     shapes: dict[str, tuple[int, ...]]  # the outputs'
     present: dict[str, torch.Tensor]  # the cache, where the step writes its column
@@ -203,7 +203,7 @@ class OnnxModel:
         self.global_graph = self.graphs.get("global")  # capsule models: s^M after the host's routing
         self.state_names = [t.name for t in per_sentence(self.cfg)]  # what encode gives, in unflatten_state's order
         self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
-        self.step_shapes: dict[tuple[int, int], dict] = {}  # the decoder's outputs' shapes by (rows, top_k)
+        self.step_shapes: dict[int, dict] = {}  # the decoder's outputs' shapes by rows
 
     def encode(self, src: torch.Tensor, src_tags: torch.Tensor | None = None) -> EncoderState:
         """The encoder graph; for a capsule model then its votes routed on the host
@@ -229,50 +229,54 @@ class OnnxModel:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
              cache: list) -> torch.Tensor:
         """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step:
-        log-probabilities (R, V); this step's K/V are written into `cache` in place. (The graph
-        always picks a top-k; here of 1, and dropped: training.seq2seq.search selects its own.)
-        A copy: step_top's outputs last only until the next step."""
-        return self.step_top(tokens, positions, row_sentence, enc, cache, 1)[0].clone()
+        log-probabilities (R, V); this step's K/V are written into `cache` in place.
+        A copy: the step's outputs last only until the next step."""
+        return self._step(tokens, positions, row_sentence, enc, cache)["log_probs"].clone()
 
     def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
                  cache: list, top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """step(), plus each row's top_k best log-probabilities and tokens (R, top_k), best first,
-        chosen inside the graph: the beam search's candidates without a second pass over log_probs.
-        The graph's present K/V are bound to the cache's own memory, which its attention then
-        updates in place (GroupQueryAttention with a shared buffer): the cache must be contiguous
-        float32 on this backend's device, or the step's column would land in a copy. The outputs are
-        this thread's own tensors, overwritten by its next step (OnnxGraph.run's `reuse`)."""
-        layout = self._layout(row_sentence, enc, cache, top_k)
-        if layout.outputs is not None and self.decoder.rerun({"tokens": tokens, "positions": positions}):
-            outputs = layout.outputs  # the layout's own binding, only its tokens and positions new
-        else:
-            inputs = dict(layout.inputs, tokens=tokens, positions=positions)
-            bound = LAYOUT_INPUTS if layout.outputs is not None else frozenset()  # by a run of this layout
-            layout.outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=bound)
-            outputs = layout.outputs
-        return outputs["log_probs"], (outputs["top_log_probs"], outputs["top_tokens"])
+        """step(), plus each row's top_k best log-probabilities and tokens (R, top_k), best first
+        (training.seq2seq.beam.row_top_k, from the graph's block maxima: a few blocks of each row are
+        read, not the whole row). The log-probabilities are this thread's own tensor, overwritten by
+        its next step."""
+        outputs = self._step(tokens, positions, row_sentence, enc, cache)
+        return outputs["log_probs"], row_top_k(outputs["log_probs"], top_k, outputs["block_max"])
 
-    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list, top_k: int) -> StepLayout:
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
+              cache: list) -> dict[str, torch.Tensor]:
+        """The decoder graph's outputs. Its present K/V are bound to the cache's own memory, which its
+        attention then updates in place (GroupQueryAttention with a shared buffer): the cache must be
+        contiguous float32 on this backend's device, or the step's column would land in a copy. The
+        outputs are this thread's own tensors, overwritten by its next step (OnnxGraph.run's `reuse`)."""
+        layout = self._layout(row_sentence, enc, cache)
+        if layout.outputs is not None and self.decoder.rerun({"tokens": tokens, "positions": positions}):
+            return layout.outputs  # the layout's own binding, only its tokens and positions new
+        inputs = dict(layout.inputs, tokens=tokens, positions=positions)
+        bound = LAYOUT_INPUTS if layout.outputs is not None else frozenset()  # by a run of this layout
+        layout.outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=bound)
+        return layout.outputs
+
+    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list) -> StepLayout:
         """What a decoder step needs besides its tokens and positions, kept while the caller hands
-        the very row_sentence, encoder state and cache objects again with the same top_k (the
-        engine's batch does at every step in which no row joins, leaves or moves to another
-        sentence's slot): the row groups are not grouped again, and OnnxGraph.run neither copies
-        nor binds them. This thread's own, as the binding is."""
+        the very row_sentence, encoder state and cache objects again (the engine's batch does at
+        every step in which no row joins, leaves or moves to another sentence's slot): the row
+        groups are not grouped again, and OnnxGraph.run neither copies nor binds them. This
+        thread's own, as the binding is."""
         key = (row_sentence, enc, cache)
         last = getattr(self.decoder.local, "layout", None)
-        if last is not None and last.top_k == top_k and all(a is b for a, b in zip(last.key, key)):
+        if last is not None and all(a is b for a, b in zip(last.key, key)):
             return last
         for t in (t for kv in cache for t in kv):
             if not t.is_contiguous() or t.dtype != torch.float32 or t.device != self.device:
                 raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
                                  f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
-        inputs = layout_inputs(row_sentence, enc, cache, top_k)
+        inputs = layout_inputs(row_sentence, enc, cache)
         rows = row_sentence.shape[0]
-        shapes = self.step_shapes.get((rows, top_k))
-        if shapes is None:  # a few dozen distinct (rows, top_k): worked out once each
-            shapes = self.step_shapes[rows, top_k] = output_shapes(self.decoder.spec, {"rows": rows, "k": top_k})
+        shapes = self.step_shapes.get(rows)
+        if shapes is None:  # a few dozen distinct row counts: worked out once each
+            shapes = self.step_shapes[rows] = output_shapes(self.decoder.spec, {"rows": rows})
         present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
-        self.decoder.local.layout = StepLayout(key, top_k, inputs, shapes, present)
+        self.decoder.local.layout = StepLayout(key, inputs, shapes, present)
         return self.decoder.local.layout
 
     @staticmethod

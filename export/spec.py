@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.seq2seq.beam import TOP_K_BLOCK
 from training.seq2seq.config import ModelConfig
 
 OPSET = 17  # LayerNormalization is a native op from 17 on
@@ -123,10 +124,9 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
         outputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in present_names(i)]
-    # Each row's top_k best tokens, best first (ONNX TopK: of equal values the lower token first):
-    # the beam search's candidates, chosen inside the step rather than by a second call over log_probs.
-    inputs.append(TensorSpec("top_k", "int64", (1,)))
-    outputs += [TensorSpec("top_log_probs", "float32", ("rows", "k")), TensorSpec("top_tokens", "int64", ("rows", "k"))]
+    # The maxima of the log-probabilities' blocks (training.seq2seq.beam.block_maxima): one vectorised
+    # pass inside the step, after which each row's best tokens are looked for in a few blocks only.
+    outputs.append(TensorSpec("block_max", "float32", ("rows", -(-cfg.vocab_size // TOP_K_BLOCK))))
     weights = ["embed.", "dec_norm.", "context_gate.w_r."]
     weights += [f"decoder.{i}.{part}." for i in range(cfg.dec_layers) for part in DECODER_LAYER_PARTS]
     return GraphSpec("decoder", tuple(inputs), tuple(outputs), tuple(weights))

@@ -12,8 +12,8 @@ ONNX Runtime (the default; export/onnx_runtime.py; CPU) and PyTorch (the referen
 modules, eager; on the CPU, or on a GPU with the Triton kernels through kernels.dispatch). A backend's
 `device` is where the engine keeps its batch (server.engine.batch). Their step is the same
 function, training.seq2seq.model.Seq2Seq.step, traced for one and called for the other; both pick
-the top_k with ONNX's TopK (inside the graph, or server.engine.topk after the step), so they agree
-on ties.
+the top_k with training.seq2seq.beam.row_top_k (from the graph's block maxima, or from their own),
+so they agree on ties.
 CTranslate2 batches whole requests itself and is served by server/ct2_engine.py.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from export.onnx_runtime import OnnxModel
+from training.seq2seq.beam import row_top_k
 from training.seq2seq.model import EncoderState, Seq2Seq
 
-from .engine.topk import row_topk
 
 BACKENDS = ("onnx", "torch", "ct2")
 
@@ -49,7 +49,7 @@ class TorchBackend:
     def step_top(self, tokens, positions, row_sentence, enc: EncoderState, cache, top_k: int) -> tuple:
         on = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731  (a no-op on the CPU)
         log_probs = self.model.step(on(tokens), on(positions), on(row_sentence), enc, cache)
-        return log_probs, row_topk()(log_probs.float(), top_k)
+        return log_probs, row_top_k(log_probs.float(), top_k)
 
 
 class OnnxBackend(OnnxModel):

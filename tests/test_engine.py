@@ -17,7 +17,6 @@ from server.engine.options import DecodingOptions, Limits, OptionError
 from server.engine.scheduler import QueueFull, Scheduler, batch_cost
 from server.engine.result_cache import ResultCache, result_key
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
-from server.engine.topk import row_topk
 from tests.architectures import perturb, random_batch, tiny_config
 from training.seq2seq import search
 from training.seq2seq.model import Seq2Seq
@@ -356,17 +355,6 @@ def test_a_prefix_wins_over_no_repeat_ngram_and_min_length_counts_it():
     bigrams = list(zip(tokens[3:], tokens[4:]))  # those that end after the prefix
     assert (5, 6) not in bigrams[1:] and len(bigrams) == len(set(bigrams))
     assert longer.hypotheses[0].tokens[:2] == [5, 6] and len(longer.hypotheses[0].tokens) >= 12
-
-
-def test_the_row_topk_matches_torch_and_breaks_ties_to_the_lower_index():
-    log_probs = torch.randn(37, 500).log_softmax(1)
-    log_probs[3, [7, 9, 11]] = 5.0  # a three-way tie at the top of row 3
-    values, indices = row_topk()(log_probs, 8)
-    expected_values, _ = log_probs.topk(8, dim=1)
-    assert torch.equal(values, expected_values)
-    assert torch.equal(log_probs.gather(1, indices), values)
-    assert indices[3, :3].tolist() == [7, 9, 11]
-    assert row_topk()(log_probs[:0], 8)[0].shape == (0, 8)
 
 
 def test_banned_tokens_complete_an_earlier_ngram():

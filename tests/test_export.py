@@ -18,17 +18,16 @@ import pytest
 import torch
 
 from export.__main__ import main as export_main
-from export.graphs import block_topk
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export import onnx_runtime
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec, export_sources, model_specs
-from server.engine.topk import row_topk
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from training.corpora import load_examples
 from training.data import train_sentencepiece
 from training.seq2seq import search
+from training.seq2seq.beam import block_maxima, row_top_k
 from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from training.seq2seq.config import Checkpoint, DataConfig
 from training.decode import source_inputs
@@ -262,9 +261,9 @@ def test_the_servers_backend_checks_every_graph_against_model_json_the_global_on
 
 
 def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path, spm_bytes):
-    """The beam search's candidates are chosen inside the decoder graph: each row's top_k best
-    log-probabilities and tokens, best first, exactly what TopK over the step's log_probs gives
-    (server.engine.topk, the PyTorch backend's choice), for any top_k up to the vocabulary."""
+    """The beam search's candidates come from the decoder graph's block maxima: each row's top_k
+    best log-probabilities and tokens, best first, exactly what row_top_k over the step's log_probs
+    alone gives (the PyTorch backend's choice), for any top_k up to the vocabulary."""
     model, onnx_model = export_tiny("gret_full", tmp_path, spm_bytes)
     src, _ = random_batch(model.cfg, [5, 3])
     enc = onnx_model.encode(src)
@@ -275,37 +274,30 @@ def test_the_step_picks_each_rows_top_k_as_topk_over_its_own_log_probs(tmp_path,
             torch.tensor([model.cfg.bos_id, 7, model.cfg.bos_id]), torch.tensor([0, 0, 0]), rows, enc,
             [(column.clone(), column.clone()) for _ in range(model.cfg.dec_layers)], top_k)
         assert values.shape == tokens.shape == (3, top_k)
-        expected = row_topk()(log_probs, top_k)
+        expected = row_top_k(log_probs, top_k)
         assert torch.equal(values, expected[0]) and torch.equal(tokens, expected[1])
         assert torch.equal(log_probs.gather(1, tokens), values)
 
 
-def test_the_graphs_blockwise_top_k_is_onnx_topk_ties_included(tmp_path):
-    """The decoder graph picks its top_k in two passes (the best blocks of the row, then the best
-    of those blocks): exported, it gives exactly ONNX's TopK over the whole row, values and tokens,
-    also where equal values straddle blocks (the lower index first, even in a block whose maximum
-    ranks lower) and where a whole row is one value, for vocabularies cut into blocks of 64 and of 50."""
-    class TopK(torch.nn.Module):
-        def forward(self, x, k):
-            return block_topk(x, k)
+def test_the_graphs_block_maxima_are_torchs_for_whole_and_padded_blocks(tmp_path):
+    """The decoder graph's block_max output is block_maxima traced: exported, it gives exactly the
+    maxima torch computes (so row_top_k chooses the same tokens from either), for a vocabulary cut
+    into whole blocks, one whose last block is padded with -inf, and one smaller than a block."""
+    class Maxima(torch.nn.Module):
+        def forward(self, x):
+            return block_maxima(x)
 
     g = torch.Generator().manual_seed(0)
-    for vocab in (8000, 4000):
-        path = tmp_path / f"topk{vocab}.onnx"
-        torch.onnx.export(TopK(), (torch.randn(3, vocab), torch.tensor([5])), str(path), dynamo=False,
-                          input_names=["x", "k"], output_names=["values", "tokens"], dynamic_axes={"x": {0: "rows"}})
+    for vocab in (8000, 4000, 50):
+        path = tmp_path / f"maxima{vocab}.onnx"
+        torch.onnx.export(Maxima(), (torch.randn(3, vocab),), str(path), dynamo=False,
+                          input_names=["x"], output_names=["maxima"], dynamic_axes={"x": {0: "rows"}})
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         x = torch.randn(6, vocab, generator=g).log_softmax(-1)
-        x[0, [10, vocab // 2, vocab - 1]] = 0.0  # one best value in three blocks
-        x[1] = -3.0  # a row of one value
-        x[2, 100:300] = -0.5  # a run of equal best values across blocks
-        x[3, ::64] = -0.25  # equal best values, one per block
-        x[4, [650, 651, 5]] = torch.tensor([0.0, -0.1, -0.1])  # a tie between the best block and a lower one
-        for k in (1, 8, 32):
-            values, tokens = session.run(None, {"x": x.numpy(), "k": torch.tensor([k]).numpy()})
-            expected = row_topk()(x, k)
-            assert torch.equal(torch.from_numpy(values), expected[0])
-            assert torch.equal(torch.from_numpy(tokens), expected[1])
+        x[1] = -3.0
+        x[2, -1] = 0.0  # the best value in the last (padded) block
+        (maxima,) = session.run(None, {"x": x.numpy()})
+        assert torch.equal(torch.from_numpy(maxima), block_maxima(x))
 
 
 def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, spm_bytes):

@@ -1,16 +1,18 @@
 """The beam-search rule (training.seq2seq.beam), written once: its vectorised step over sequences with
-mixed beam sizes does what the rule says for each sequence alone, and every search path in the
-project computes the same output-length limit."""
+mixed beam sizes does what the rule says for each sequence alone, each row's best tokens are ONNX
+TopK's, and every search path in the project computes the same output-length limit."""
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 from export.ct2_runtime import max_lengths
 from server.engine.options import DecodingOptions, Limits
 from tests.architectures import tiny_config
-from training.seq2seq.beam import NEG_INF, candidates, output_limit, select
+from training.seq2seq.beam import NEG_INF, TOP_K_BLOCK, block_maxima, candidates, output_limit, row_top_k, select
 from training.seq2seq.config import ModelConfig
 from training.seq2seq.search import _max_lengths
 
@@ -72,6 +74,43 @@ def test_one_vectorised_step_equals_the_rule_applied_to_each_sequence_alone(seed
         expected = reference_step(scores[rows_i].tolist(), log_probs[rows_i].tolist(), beams[i], last[i], held[i])
         assert got[i] == (expected[0], expected[1], expected[2]), f"sequence {i}"
         start += count
+
+
+def onnx_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ONNX Runtime's TopK over whole rows: the order row_top_k promises (best first, of equal
+    values the lower index first)."""
+    graph = helper.make_graph([helper.make_node("TopK", ["x", "k"], ["values", "indices"], axis=1)], "top_k",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", "vocab"]),
+                               helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["rows", "k"]),
+                               helper.make_tensor_value_info("indices", TensorProto.INT64, ["rows", "k"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    values, indices = session.run(None, {"x": x.numpy(), "k": np.array([k])})
+    return torch.from_numpy(values), torch.from_numpy(indices)
+
+
+@pytest.mark.parametrize("vocab", [8000, 4000, 50, 7])  # whole blocks, a padded last block, less than one block
+def test_each_rows_top_k_is_onnx_topk_over_the_whole_row_ties_included(vocab):
+    """row_top_k reads only the blocks whose maxima can hold a row's k best; it must still give
+    exactly what TopK over the whole row gives: equal values straddling blocks (the lower index
+    first, even in a block whose maximum ranks lower), a row of one value, a row of -inf but one."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=g).log_softmax(-1)
+    x[0, [1, vocab // 2, vocab - 1]] = 0.0  # one best value in three blocks
+    x[1] = -3.0  # a row of one value
+    x[2, : vocab // 2] = -0.5  # a run of equal best values across blocks
+    x[3, ::3] = -0.25  # equal best values spread over every block
+    x[4, [vocab - 1, 0, vocab // 3]] = torch.tensor([0.0, -0.1, -0.1])  # a tie between the best block and lower ones
+    x[5] = NEG_INF  # a constrained row: one token allowed
+    x[5, vocab - 1] = 0.0
+    for k in sorted({min(k, vocab) for k in (1, 2, 8, 32, vocab)}):
+        expected = onnx_top_k(x, k)
+        for maxima in (None, block_maxima(x)):  # computed here, or handed over as the decoder graph does
+            values, tokens = row_top_k(x, k, maxima)
+            assert torch.equal(values, expected[0]) and torch.equal(tokens, expected[1]), (vocab, k)
+    assert block_maxima(x).shape == (8, -(-vocab // TOP_K_BLOCK))
+    assert row_top_k(x[:0], 2)[0].shape == (0, 2)
 
 
 def test_a_sequence_without_any_live_candidate_is_done():

@@ -36,7 +36,7 @@ log = logging.getLogger("server.engine")
 # them, and moving rows into their next step's state (forked beams' cache slots, encoder state; the
 # admitted texts' encoder state written into the batch).
 PHASES = ("encode", "decoder", "search", "cache")
-TOP_K_PHASE = "decoder"  # each row's top-k candidates are the backend's step's (benchmarks record it)
+TOP_K_PHASE = "decoder-blocks"  # each row's top-k is the backend's step's, from its block maxima (benchmarks record it)
 
 # Padded source pieces per encoder pass (texts x the longest of them). A step may admit hundreds of
 # texts; encoded at once, their activations would set ONNX Runtime's memory arena, which keeps its

@@ -3,7 +3,9 @@
 output-length limit and its hypotheses).
 
 One step of a sequence: its candidates are the 2 x beam best of (row score + log-probability)
-over its rows' tokens, best first, ties to the lower row, then the lower token. An EOS, or any
+over its rows' tokens, best first, ties to the lower row, then the lower token. Each row's own
+best tokens come first (row_top_k: best first, of equal values the lower token, as ONNX's TopK
+orders them), chosen by blocks of the vocabulary whose maxima the decoder graph computes. An EOS, or any
 token at the sequence's last step, finishes a hypothesis if its candidate ranks inside the beam
 (and is dropped otherwise); the best non-finishing candidates refill the beam. The sequence is
 done once it holds `beam` finished hypotheses, reaches its length limit, or has no candidate left.
@@ -69,6 +71,76 @@ def force_prefix(log_probs: torch.Tensor, rows, token: int) -> None:
     log-probability 0 (a prefix is given, not chosen: it adds nothing to the score)."""
     log_probs[rows] = NEG_INF
     log_probs[rows, token] = 0.0
+
+
+TOP_K_BLOCK = 64  # vocabulary columns per block of row_top_k
+
+
+def block_maxima(log_probs: torch.Tensor) -> torch.Tensor:
+    """(R, ceil(V / TOP_K_BLOCK)): the largest value of each block of TOP_K_BLOCK columns of each row,
+    the last block padded with -inf. In plain torch ops, so that the decoder graph traces it (one
+    ReduceMax, a vectorised pass over the row) and row_top_k needs only a few blocks of the row."""
+    pad = -int(log_probs.shape[1]) % TOP_K_BLOCK  # static: a constant in the traced graph
+    if pad:
+        log_probs = torch.nn.functional.pad(log_probs, (0, pad), value=NEG_INF)
+    return log_probs.reshape(-1, int(log_probs.shape[1]) // TOP_K_BLOCK, TOP_K_BLOCK).amax(-1)
+
+
+def row_top_k(log_probs: torch.Tensor, k: int, maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k best (log-probabilities, tokens) of (R, V) float32, each (R, k): best first, of
+    equal values the lower token first (ONNX TopK's order); k <= V. `maxima`: block_maxima of these
+    log-probabilities where the step has them already (the decoder graph's output), else computed.
+    On a GPU, torch's topk (its order of equal values is its own)."""
+    if log_probs.device.type != "cpu":
+        return log_probs.topk(k, dim=1)
+    if maxima is None:
+        maxima = block_maxima(log_probs)
+    values = np.empty((log_probs.shape[0], k), np.float32)
+    tokens = np.empty((log_probs.shape[0], k), np.int64)
+    top_k_kernel(log_probs.detach().numpy(), maxima.detach().numpy(), TOP_K_BLOCK, values, tokens)
+    return torch.from_numpy(values), torch.from_numpy(tokens)
+
+
+@numba.njit(cache=True, nogil=True)
+def top_k_kernel(x, maxima, block, values, tokens):
+    """row_top_k into values, tokens (R, k). A row's m-th best block maximum t (m = k, or every block
+    where there are fewer) is reached by m values in m blocks, so no value below t and no block
+    whose maximum is below t holds one of the k best: the row is read only in the few blocks that
+    reach t, in column order, and an insertion that moves only past strictly smaller values keeps
+    the lower of equal tokens first. ONNX Runtime's TopK costs about 1 us per row and call over the
+    blocks' maxima and again over the chosen blocks: twice this (ad hoc, 111 rows x 8000)."""
+    n_rows, vocab = x.shape
+    k, n_blocks = values.shape[1], maxima.shape[1]
+    m = min(k, n_blocks)
+    best = np.empty(m, x.dtype)  # the row's m best block maxima, best first
+    which = np.empty(m, np.int64)  # their blocks (not needed: the scan below tests every block)
+    for r in range(n_rows):
+        held = 0
+        for b in range(n_blocks):
+            held = insert(best, held, maxima[r, b], which, b)
+        t = best[m - 1] if m == k else NEG_INF
+        held = 0
+        for b in range(n_blocks):
+            if maxima[r, b] < t:
+                continue
+            for j in range(b * block, min((b + 1) * block, vocab)):
+                if not x[r, j] < t:
+                    held = insert(values[r], held, x[r, j], tokens[r], j)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def insert(values, held, value, at, index) -> int:
+    """value (from index) into values[:held], kept best first, of equal values the earlier first,
+    at most len(values) of them; at[] follows values[]. Returns how many are held now."""
+    size = len(values)
+    if held == size and not value > values[size - 1]:
+        return held
+    p = held if held < size else size - 1
+    while p > 0 and value > values[p - 1]:
+        values[p], at[p] = values[p - 1], at[p - 1]
+        p -= 1
+    values[p], at[p] = value, index
+    return held + 1 if held < size else held
 
 
 @numba.njit(cache=True, nogil=True)  # also inside the engine's compiled step (server.engine.batch.decide)
