@@ -107,13 +107,14 @@ def top_k_kernel(x, maxima, block, values, tokens):
     where there are fewer) is reached by m values in m blocks, so no value below t and no block
     whose maximum is below t holds one of the k best: the row is read only in the few blocks that
     reach t, in column order, and an insertion that moves only past strictly smaller values keeps
-    the lower of equal tokens first. ONNX Runtime's TopK costs about 1 us per row and call over the
-    blocks' maxima and again over the chosen blocks: twice this (ad hoc, 111 rows x 8000)."""
+    the lower of equal tokens first. At 111 rows x 8000 this takes about 0.15 ms, where the graph's
+    TopK over the blocks' maxima, its TopK over the chosen blocks and their gathers took 0.33 (ONNX
+    Runtime's profile, ad hoc): its TopK costs about a microsecond per row and call."""
     n_rows, vocab = x.shape
     k, n_blocks = values.shape[1], maxima.shape[1]
     m = min(k, n_blocks)
     best = np.empty(m, x.dtype)  # the row's m best block maxima, best first
-    which = np.empty(m, np.int64)  # their blocks (not needed: the scan below tests every block)
+    which = np.empty(m, np.int64)  # their blocks, which insert() keeps; the scan tests each block's maximum instead
     for r in range(n_rows):
         held = 0
         for b in range(n_blocks):
