@@ -47,18 +47,24 @@ from training.corpora import PROJECT_ROOT, load_examples
 from training.metrics import bleu
 from training.seq2seq import search
 from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
-from training.seq2seq.inputs import encode_source, pad
+from training.decode import source_inputs
+from training.seq2seq.inputs import pad
 
 REFERENCE, BASELINE = "pytorch", "ct2-int8"
+VANILLA, GRET = "vanilla", "gret"  # whose inputs a system reads: each model its own pieces (and POS tags)
 TARGETS = {"best_engine_vs_ct2_int8": 1.0, "gret_vs_vanilla": 0.9, "best_engine_vs_pytorch": 10.0}
 
 
 class PyTorchReference:
+    inputs = VANILLA
+
     def __init__(self, model, options: DecodingOptions, threads: int):
         self.model, self.o, self.torch_threads = model, options, threads
 
-    def decode(self, batch: list[list[int]]) -> list[list[int]]:
-        hyps = search.beam_search(self.model, pad(batch), beam=self.o.beam, length_penalty=self.o.length_penalty,
+    def decode(self, batch: list[tuple]) -> list[list[int]]:
+        ids, tags = zip(*batch)
+        hyps = search.beam_search(self.model, pad(list(ids)), None if tags[0] is None else pad(list(tags)),
+                                  beam=self.o.beam, length_penalty=self.o.length_penalty,
                                   max_len_a=self.o.max_len_a, max_len_b=self.o.max_len_b)
         return [h[0].tokens for h in hyps]
 
@@ -67,16 +73,17 @@ class OurEngine:
     """The server's engine (or `workers` of its loops, as server --workers runs them) driven until
     idle: the batch is submitted at once, like a server receiving 32 texts together."""
 
-    def __init__(self, backend, options: DecodingOptions, torch_threads: int = 1, workers: int = 1):
+    def __init__(self, backend, options: DecodingOptions, torch_threads: int = 1, workers: int = 1,
+                 inputs: str = VANILLA):
         engines = [Engine(backend, "bench", Scheduler("continuous", max_batch_tokens=1 << 30, max_waiting=1 << 20))
                    for _ in range(workers)]
         self.engine = engines[0] if workers == 1 else Replicas(engines)
-        self.o, self.cfg = options, backend.cfg
+        self.o, self.cfg, self.inputs = options, backend.cfg, inputs
         self.torch_threads = torch_threads  # as the server runs it: see server/__main__.py
 
-    def decode(self, batch: list[list[int]]) -> list[list[int]]:
+    def decode(self, batch: list[tuple]) -> list[list[int]]:
         limit = lambda n: self.o.output_limit(n, self.cfg.max_positions - 1, Limits())  # noqa: E731
-        seqs = [Sequence(src, self.o, limit(len(src)), on_done=lambda s: None) for src in batch]
+        seqs = [Sequence(src, self.o, limit(len(src)), on_done=lambda s: None, tags=tags) for src, tags in batch]
         self.engine.submit(seqs)
         self.engine.run_until_idle()
         return [s.hypotheses[0].tokens if s.hypotheses else [] for s in seqs]
@@ -86,13 +93,15 @@ class CTranslate2:
     """At its fastest: one CTranslate2 call per batch, with the batch's largest length limit for
     every sentence (per-sentence limits would split the batch into several calls). Where a
     shorter sentence's own limit would have bound, its output may differ: BLEU shows it."""
+    inputs = VANILLA
 
     def __init__(self, repo: Path, precision: str, threads: int, options: DecodingOptions, replicas: int = 1):
         self.t = Ct2Translator(repo, precision=precision, threads=threads, replicas=replicas)
         self.o, self.replicas = options, replicas
         self.torch_threads = 1  # unused by CTranslate2
 
-    def decode(self, batch: list[list[int]]) -> list[list[int]]:
+    def decode(self, batch: list[tuple]) -> list[list[int]]:
+        batch = [ids for ids, _ in batch]  # a vanilla model: no POS tags
         limit = max(max_lengths(self.t.cfg, [len(s) for s in batch], self.o.max_len_a, self.o.max_len_b))
         split = -(-len(batch) // self.replicas) if self.replicas > 1 else 0
         out = self.t.translate(batch, beam=self.o.beam, length_penalty=self.o.length_penalty, max_length=limit,
@@ -151,11 +160,11 @@ def build_systems(checkpoint: Path, gret: Path | None, build: Path, threads: int
         add(f"ct2-int8-{threads}r", lambda: CTranslate2(ct2, "int8", 1, options, replicas=threads))
     if gret is not None:
         gret_onnx = export(gret, build / "gret-onnx", "onnx")
-        add("gret-engine-onnx-fp32", lambda: OurEngine(OnnxBackend(gret_onnx, "fp32", threads), options))
-        add("gret-engine-onnx-int8", lambda: OurEngine(OnnxBackend(gret_onnx, "int8", threads), options))
+        add("gret-engine-onnx-fp32", lambda: OurEngine(OnnxBackend(gret_onnx, "fp32", threads), options, inputs=GRET))
+        add("gret-engine-onnx-int8", lambda: OurEngine(OnnxBackend(gret_onnx, "int8", threads), options, inputs=GRET))
         if threads > 1:
             add(f"gret-engine-onnx-int8-{threads}w",
-                lambda: OurEngine(OnnxBackend(gret_onnx, "int8", 1), options, workers=threads))
+                lambda: OurEngine(OnnxBackend(gret_onnx, "int8", 1), options, workers=threads, inputs=GRET))
     if quick:  # CI smoke: fewer systems, same code paths
         for name in ("engine-torch", "ct2-fp32"):
             systems.pop(name), memory.pop(name)
@@ -172,20 +181,21 @@ def export(checkpoint: Path, out: Path, fmt: str) -> Path:
     return out
 
 
-def run(systems: dict, batches: list[list[int]]) -> tuple[dict, dict, dict]:
-    """Every system decodes every batch, turns rotating. Returns outputs, seconds per batch and the
+def run(systems: dict, batches: dict[str, list[list[tuple]]]) -> tuple[dict, dict, dict]:
+    """Every system decodes every batch (of its own model's inputs: batches[system.inputs], the
+    same sentences for every model), turns rotating. Returns outputs, seconds per batch and the
     largest rise of resident memory during a turn, per system."""
     names = list(systems)
     outputs = {n: [] for n in names}
     seconds = {n: [] for n in names}
     peak = {n: 0 for n in names}
-    for i, batch in enumerate(batches):
+    for i in range(len(batches[VANILLA])):
         order = names[i % len(names):] + names[: i % len(names)]
         for name in order:
             torch.set_num_threads(systems[name].torch_threads)
             with MemorySampler() as sampler:
                 start = time.perf_counter()
-                out = systems[name].decode(batch)
+                out = systems[name].decode(batches[systems[name].inputs][i])
                 seconds[name].append(time.perf_counter() - start)
             peak[name] = max(peak[name], sampler.peak - sampler.start)
             outputs[name].append(out)
@@ -201,7 +211,10 @@ def time_split(system) -> dict | None:
     return {k: round(v / busy, 3) for k, v in parts.items()}
 
 
-def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs) -> dict:
+def summarise(systems, memory, outputs, seconds, peak, order, pieces: dict, refs) -> dict:
+    """Per system: speed, BLEU (its model's own SentencePiece: pieces[system.inputs]), memory, and
+    the share of outputs identical to the PyTorch reference's (vanilla systems: a GRET model's
+    outputs are another model's)."""
     figures = {}
     for name in systems:
         tokens = [t for batch in outputs[name] for t in batch]
@@ -214,7 +227,7 @@ def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs)
             "seconds": round(total, 3),
             "sentences_per_s": round(len(restored) / total, 2),
             "target_tokens_per_s": round(n_tokens / total, 1),
-            "bleu": round(bleu([sp.decode(t) for t in restored], refs), 2),
+            "bleu": round(bleu([pieces[systems[name].inputs].decode(t) for t in restored], refs), 2),
             "identical_to_pytorch": None,
             "load_rss_mb": round(memory[name] / 2**20, 1),
             "decode_rss_mb": round(peak[name] / 2**20, 1),
@@ -223,7 +236,9 @@ def summarise(systems, memory, outputs, seconds, peak, batches, order, sp, refs)
         }
     reference = figures[REFERENCE]["_tokens"]
     for name, f in figures.items():
-        f["identical_to_pytorch"] = round(sum(a == b for a, b in zip(f.pop("_tokens"), reference)) / len(reference), 4)
+        tokens = f.pop("_tokens")
+        if systems[name].inputs == VANILLA:
+            f["identical_to_pytorch"] = round(sum(a == b for a, b in zip(tokens, reference)) / len(reference), 4)
         for base in (REFERENCE, BASELINE):
             if base in seconds:
                 ratios = [b / s for s, b in zip(seconds[name], seconds[base])]  # > 1: faster than base
@@ -308,23 +323,30 @@ def main(argv=None) -> int:
     add_publish(p)
     args = p.parse_args(argv)
     args.out = args.out or results_dir(args.publish) / "bench-engine.json"
-    model, ckpt, sp = load_checkpoint(args.checkpoint)
+    _, ckpt, _ = load_checkpoint(args.checkpoint)
     examples = load_examples(ckpt.data.dataset, args.split, ckpt.data.src_lang, ckpt.data.tgt_lang)
     examples = examples[: 64 if args.quick else (args.limit or None)]
-    ids = [encode_source(sp, e.source, ckpt.data.max_src_len) for e in examples]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    batches = [[ids[i] for i in order[k: k + args.batch]] for k in range(0, len(order), args.batch)]
+    texts = [e.source for e in examples]
+    checkpoints = {VANILLA: args.checkpoint} | ({GRET: args.gret_checkpoint} if args.gret_checkpoint else {})
+    inputs, pieces = {}, {}
+    for key, path in checkpoints.items():  # each model its own pieces, and POS tags if it reads them
+        m, c, pieces[key] = load_checkpoint(path)
+        ids, tags = source_inputs(m, pieces[key], texts, c.data.src_lang, c.data.max_src_len)
+        inputs[key] = list(zip(ids, tags or [None] * len(ids)))
+    order = sorted(range(len(texts)), key=lambda i: len(inputs[VANILLA][i][0]))
+    batches = {key: [[sources[i] for i in order[k: k + args.batch]] for k in range(0, len(order), args.batch)]
+               for key, sources in inputs.items()}
     options = DecodingOptions(beam=args.beam)
     record = Run("bench engine", argv)
     with tempfile.TemporaryDirectory() as tmp:
         build = args.build_dir or Path(tmp)
         systems, memory = build_systems(args.checkpoint, args.gret_checkpoint, build, args.threads, options, args.quick)
         outputs, seconds, peak = run(systems, batches)
-    figures = summarise(systems, memory, outputs, seconds, peak, batches, order, sp, [e.refs for e in examples])
+    figures = summarise(systems, memory, outputs, seconds, peak, order, pieces, [e.refs for e in examples])
     result = {
         **record.header(),
         "settings": {"checkpoint": str(args.checkpoint), "gret_checkpoint": str(args.gret_checkpoint or ""),
-                     "split": args.split, "sentences": len(ids), "batch": args.batch, "beam": args.beam,
+                     "split": args.split, "sentences": len(texts), "batch": args.batch, "beam": args.beam,
                      "threads": args.threads, "quick": args.quick, "top_k_phase": TOP_K_PHASE},
         "systems": figures,
         "targets": targets(figures),
@@ -336,8 +358,9 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, f in figures.items():
         shares = " ".join(f"{k} {100 * v:.0f}%" for k, v in (f["time_split"] or {}).items())
+        same = "-" if f["identical_to_pytorch"] is None else f["identical_to_pytorch"]
         print(f"{name:24s} {f['sentences_per_s']:7.1f} sent/s {f['target_tokens_per_s']:8.1f} tok/s  "
-              f"BLEU {f['bleu']:5.2f}  identical {f['identical_to_pytorch']:.3f}  "
+              f"BLEU {f['bleu']:5.2f}  identical {same}  "
               f"x{BASELINE if BASELINE in figures else REFERENCE} "
               f"{f['speed_vs_' + (BASELINE if BASELINE in figures else REFERENCE)]['median']:.2f}  {shares}")
     print(json.dumps(result["targets"], indent=2))

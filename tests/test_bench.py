@@ -148,18 +148,22 @@ def test_quick_memory_benchmark_samples_the_pods_server_through_every_phase(serv
 
 
 def test_quick_engine_benchmark_runs_every_system_and_reports_ratios(served_models, tmp_path):
+    """Every system, the GRET engines on a model that reads POS tags (each model gets its own
+    pieces and tags; its outputs are another model's, so they are not compared with PyTorch's)."""
     out = tmp_path / "bench-engine.json"
-    code = bench_main(["engine", "--quick", "--checkpoint", str(served_models / "tiny-en-de"), "--gret-checkpoint", "",
-                       "--threads", "2", "--build-dir", str(tmp_path / "build"), "--out", str(out)])
+    gret = served_models.parent / "runs" / "de-en"  # tests/served.py: GRET with POS tags
+    code = bench_main(["engine", "--quick", "--checkpoint", str(served_models / "tiny-en-de"), "--gret-checkpoint",
+                       str(gret), "--threads", "2", "--build-dir", str(tmp_path / "build"), "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     systems = result["systems"]
-    assert {"pytorch", "engine-onnx-fp32", "engine-onnx-int8", "engine-onnx-int8-2w", "ct2-int8", "ct2-int8-2r"} \
-        <= set(systems)  # 2 threads: one loop of 2 threads, or 2 loops (CTranslate2: replicas) of 1
+    assert {"pytorch", "engine-onnx-fp32", "engine-onnx-int8", "engine-onnx-int8-2w", "ct2-int8", "ct2-int8-2r",
+            "gret-engine-onnx-int8-2w"} <= set(systems)  # 2 threads: one loop of 2, or 2 loops (CT2: replicas) of 1
     for f in systems.values():
         assert f["sentences_per_s"] > 0 and f["target_tokens_per_s"] > 0 and 0 <= f["bleu"] <= 100
         assert f["speed_vs_ct2-int8"]["median"] > 0 and f["speed_vs_pytorch"]["median"] > 0
     assert systems["engine-onnx-fp32"]["identical_to_pytorch"] == 1.0  # same math, fp32: same outputs
+    assert systems["gret-engine-onnx-fp32"]["identical_to_pytorch"] is None
     assert (tmp_path / "bench-engine.png").read_bytes().startswith(PNG)
     split = systems["engine-onnx-int8-2w"]["time_split"]  # our engine says where its time went
     assert set(split) == {"encode", "decoder", "search", "cache"}
