@@ -77,7 +77,7 @@ class Ct2Offline:
     def __init__(self, repo: Path, threads: int, replicas: int):
         self.system = CTranslate2(repo, "int8", threads, DecodingOptions(beam=BEAM), replicas=replicas)
 
-    def run(self, sources: list[list[int]]) -> dict:
+    def run(self, sources: list[tuple]) -> dict:
         start = time.perf_counter()
         for k in range(0, len(sources), CT2_BATCH):
             self.system.decode(sources[k: k + CT2_BATCH])
@@ -86,7 +86,7 @@ class Ct2Offline:
                 "load_average": round(os.getloadavg()[0], 2)}
 
 
-def ct2_callers(system: CTranslate2, sources: list[list[int]], callers: int, seconds: float, warmup: float) -> dict:
+def ct2_callers(system: CTranslate2, sources: list[tuple], callers: int, seconds: float, warmup: float) -> dict:
     """`callers` threads, each translating one sentence at a time with CTranslate2 directly: the
     best a server without cross-request batching could do on these cores."""
     latencies, stop, lock = [], time.perf_counter() + seconds, threading.Lock()
@@ -223,7 +223,7 @@ def measure(args, log_dir: Path) -> dict:
     _, ckpt, sp = load_checkpoint(checkpoint)
     examples = load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang, ckpt.data.tgt_lang)
     texts = [e.source for e in examples]
-    sources = [encode_source(sp, t, ckpt.data.max_src_len) for t in texts]
+    sources = [(encode_source(sp, t, ckpt.data.max_src_len), None) for t in texts]  # (pieces, no POS tags)
     ct2_repo = export(checkpoint, args.build_dir / "ct2", "ct2")
     cores = ServerConfig().loops()  # the cores the server's defaults use: CTranslate2 gets as many
     ct2 = {f"ct2-int8-1x{cores}": Ct2Offline(ct2_repo, cores, 1), f"ct2-int8-{cores}x1": Ct2Offline(ct2_repo, 1, cores)}
