@@ -101,10 +101,10 @@ class CTranslate2:
         self.torch_threads = 1  # unused by CTranslate2
 
     def decode(self, batch: list[tuple]) -> list[list[int]]:
-        batch = [ids for ids, _ in batch]  # a vanilla model: no POS tags
-        limit = max(max_lengths(self.t.cfg, [len(s) for s in batch], self.o.max_len_a, self.o.max_len_b))
-        split = -(-len(batch) // self.replicas) if self.replicas > 1 else 0
-        out = self.t.translate(batch, beam=self.o.beam, length_penalty=self.o.length_penalty, max_length=limit,
+        ids = [src for src, _ in batch]  # a vanilla model: no POS tags
+        limit = max(max_lengths(self.t.cfg, [len(s) for s in ids], self.o.max_len_a, self.o.max_len_b))
+        split = -(-len(ids) // self.replicas) if self.replicas > 1 else 0
+        out = self.t.translate(ids, beam=self.o.beam, length_penalty=self.o.length_penalty, max_length=limit,
                                max_batch_size=split)
         return [n_best[0].tokens for n_best in out]
 
@@ -323,15 +323,16 @@ def main(argv=None) -> int:
     add_publish(p)
     args = p.parse_args(argv)
     args.out = args.out or results_dir(args.publish) / "bench-engine.json"
-    _, ckpt, _ = load_checkpoint(args.checkpoint)
-    examples = load_examples(ckpt.data.dataset, args.split, ckpt.data.src_lang, ckpt.data.tgt_lang)
+    paths = {VANILLA: args.checkpoint} | ({GRET: args.gret_checkpoint} if args.gret_checkpoint else {})
+    loaded = {key: load_checkpoint(path) for key, path in paths.items()}  # (model, checkpoint, SentencePiece)
+    data = loaded[VANILLA][1].data
+    examples = load_examples(data.dataset, args.split, data.src_lang, data.tgt_lang)
     examples = examples[: 64 if args.quick else (args.limit or None)]
     texts = [e.source for e in examples]
-    checkpoints = {VANILLA: args.checkpoint} | ({GRET: args.gret_checkpoint} if args.gret_checkpoint else {})
-    inputs, pieces = {}, {}
-    for key, path in checkpoints.items():  # each model its own pieces, and POS tags if it reads them
-        m, c, pieces[key] = load_checkpoint(path)
-        ids, tags = source_inputs(m, pieces[key], texts, c.data.src_lang, c.data.max_src_len)
+    pieces = {key: sp for key, (_, _, sp) in loaded.items()}
+    inputs = {}
+    for key, (model, ckpt, sp) in loaded.items():  # each model its own pieces, and POS tags if it reads them
+        ids, tags = source_inputs(model, sp, texts, ckpt.data.src_lang, ckpt.data.max_src_len)
         inputs[key] = list(zip(ids, tags or [None] * len(ids)))
     order = sorted(range(len(texts)), key=lambda i: len(inputs[VANILLA][i][0]))
     batches = {key: [[sources[i] for i in order[k: k + args.batch]] for k in range(0, len(order), args.batch)]

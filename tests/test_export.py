@@ -295,7 +295,7 @@ def test_the_graphs_block_maxima_are_torchs_for_whole_and_padded_blocks(tmp_path
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         x = torch.randn(6, vocab, generator=g).log_softmax(-1)
         x[1] = -3.0
-        x[2, -1] = 0.0  # the best value in the last (padded) block
+        x[2, -1] = 0.0  # the best value in the last block (padded with -inf where the vocabulary needs it)
         (maxima,) = session.run(None, {"x": x.numpy()})
         assert torch.equal(torch.from_numpy(maxima), block_maxima(x))
 
