@@ -65,6 +65,7 @@ class OnnxGraph:
         if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
             raise RuntimeError(f"{path}: ONNX Runtime could not start its CUDA provider")
         self.spec = spec
+        self.output_names = spec.output_names()
         self.local = threading.local()  # thread replicas share the session; each thread binds its own
         # made once: the binding's public bind_input/bind_output make one at every call (_bind)
         self.ort_device = ort.OrtDevice.make(self.device.type, self.device.index or 0)._get_c_device()
@@ -122,7 +123,15 @@ class OnnxGraph:
         fixed costs weigh most (python -m bench step measures the engine at each load). An input
         given as the very tensor it was bound to last run (the engine's cache and encoder state)
         costs nothing here, and so does one named in `unchanged`: the caller vouches that it is the
-        tensor it gave last run, with the same values (it is not read)."""
+        tensor it gave last run, with the same values (it is not read).
+
+        Fresh outputs on the CPU (no `out`, no `reuse`: the encoder's and the global graph's) are
+        ONNX Runtime's own, which torch takes over as they are: fewer calls than a new tensor made
+        and bound per output (an encoder pass of two texts, 16 pieces each: 0.75 -> 0.68 ms)."""
+        if out is None and not reuse and self.device.type == "cpu":
+            feeds = {t.name: inputs[t.name].to(TORCH_TYPES[t.dtype]).contiguous().numpy() for t in self.spec.inputs}
+            arrays = self.session.run(self.output_names, feeds)
+            return {name: torch.from_numpy(a) for name, a in zip(self.output_names, arrays)}
         binding, bound = self._binding()
         raw = binding._iobinding  # its pybind object: _bind's bind_input and bind_output
         aliased = {t.data_ptr() for t in (out or {}).values()}

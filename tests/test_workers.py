@@ -26,7 +26,7 @@ from server.engine.engine import PHASES, Draining
 from server.engine.options import DecodingOptions
 from server.engine.scheduler import QueueFull
 from server.engine.sequence import CANCELLED, DEADLINE, OK
-from server.engine.workers import BURST_TEXTS
+from server.engine.workers import BURST_TEXTS, HUGE_PAGES, huge_pages_in_workers
 from server.pipeline import build_pipeline, resolve_precision
 from tests.served import RunningServer, config_for
 from training.corpora import load_examples
@@ -153,6 +153,21 @@ def test_the_pipes_the_parent_reads_on_uvloops_loop_stay_blocking(servers, group
     assert type(processes.loop).__module__.startswith("uvloop")
     stub(processes).Translate(request(english(2, offset=130), beam=1), timeout=60)  # the loop reads both pipes
     assert all(w.ready.is_set() and os.get_blocking(w.conn.fileno()) for w in group.workers)
+
+
+def test_worker_processes_take_their_memory_in_huge_pages(servers, group):
+    for w in group.workers:
+        environ = Path(f"/proc/{w.process.pid}/environ").read_bytes().split(b"\0")
+        assert f"GLIBC_TUNABLES={HUGE_PAGES}".encode() in environ
+
+
+def test_a_users_own_glibc_tunables_are_kept_and_their_own_huge_pages_setting_wins(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    huge_pages_in_workers()
+    assert os.environ["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    huge_pages_in_workers()
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
 
 
 def test_a_busy_worker_reports_its_steps_in_batches_not_at_every_step(servers, group, recorder, monkeypatch):

@@ -44,6 +44,7 @@ log = logging.getLogger("server.engine.workers")
 RESTART_DELAY_S = 1.0  # a worker that dies at once must not be restarted in a tight loop
 REPORT_EVERY_S = 0.05  # a busy worker's step, queue and encoder reports wait at most this long (Reporter)
 BURST_TEXTS = 16  # with this many texts running, finished texts wait as the other reports do (Reporter)
+HUGE_PAGES = "glibc.malloc.hugetlb=1"  # the workers' memory in transparent huge pages (huge_pages_in_workers)
 
 
 class NoWorker(Draining):
@@ -110,6 +111,7 @@ class WorkerReplicas:
         self.spec, self.name, self.version = spec, spec.name, spec.version
         self.results = results if results is not None else ResultCache(0)
         self.observer = observer or Observer()
+        huge_pages_in_workers()
         self.workers = [Worker(self, i) for i in range(count)]
         self.cache = ReportedCache(self.workers)
         self.accepting = True
@@ -400,6 +402,20 @@ class ReportedCache:
         for w in self.workers:
             total.update(w.cache_stats)
         return dict(total)
+
+
+def huge_pages_in_workers() -> None:
+    """Worker processes started from now on take their memory from glibc in transparent huge pages
+    (glibc 2.35 and later read the tunable at start, older ones ignore it; the kernel grants them
+    where its THP mode is `madvise` or `always`). A decoder step reads tens of MB spread over the
+    self-attention cache, the encoder slots and ONNX Runtime's weights and arena: with 4 KB pages
+    that is thousands of TLB misses a step, each a page walk, and in a virtual machine a walk of
+    two page tables. Resident memory stays the same (ad hoc, the closed loop at 32 texts: 638 and
+    642 MB, 268 MB of it in huge pages). The variable is this process's environment, which the
+    spawned workers inherit; a GLIBC_TUNABLES that already sets the tunable is left as it is."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" not in tunables:
+        os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, HUGE_PAGES)))
 
 
 def pipe_poller(conn) -> select.poll:
