@@ -232,6 +232,34 @@ def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_byte
         onnx_model.step(torch.full((2,), model.cfg.bos_id), zeros, zeros, onnx_model.encode(src), cache)
 
 
+def test_a_graph_run_on_any_thread_flushes_denormals_there(tmp_path, spm_bytes):
+    """ONNX Runtime's own setting reaches only the thread that initialised the process's first
+    session; the engine runs its graphs on a thread of its own, where a masked attention's
+    exp(-inf) results would otherwise take MLAS's slow path (export.onnx_runtime.flush_denormals).
+    After an encoder pass and a step on a new thread, a denormal reads as zero on that thread."""
+    import threading
+
+    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
+    src, _ = random_batch(model.cfg, [5, 3])
+    seen = {}
+
+    def on_a_new_thread():
+        seen["before"] = (torch.tensor([1e-39]) * 1.0).item()
+        enc = onnx_model.encode(src)
+        seen["encoded"] = (torch.tensor([1e-39]) * 1.0).item()
+        shape = (2, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
+        cache = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.cfg.dec_layers)]
+        torch.set_flush_denormal(False)
+        zeros = torch.zeros(2, dtype=torch.long)
+        onnx_model.step(torch.full((2,), model.cfg.bos_id), zeros, torch.arange(2), enc, cache)
+        seen["stepped"] = (torch.tensor([1e-39]) * 1.0).item()
+
+    thread = threading.Thread(target=on_a_new_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"before": pytest.approx(1e-39), "encoded": 0.0, "stepped": 0.0}
+
+
 def test_the_servers_backend_stays_on_the_cpu_where_onnx_runtime_could_take_a_gpu(tmp_path, spm_bytes, monkeypatch):
     """The engine's cache lives in host memory: on a GPU machine (onnxruntime-gpu and a CUDA torch,
     as deploy's cuda image has them) OnnxModel would default to CUDA and refuse that cache at every
