@@ -46,20 +46,31 @@ def default_device() -> str:
     return "cuda" if usable else "cpu"
 
 
-def flush_denormals() -> None:
-    """Denormal floats read and written as zero (DAZ, FTZ) on the calling thread, where ONNX Runtime
-    runs a graph whose session has one intra-op thread. Masked attention makes them: a padded
-    source position's score is -inf, and MLAS's exponential is slow for every result below
-    float32's smallest normal, so a Softmax over padded rows ran about 4x slower than over
-    unpadded ones (29 sources x 4 beams x 4 heads x 20 positions: 72 against 18 us; a vocabulary
-    LogSoftmax with 3% of its values 87 below the row's maximum, 4x too). In the engine loop
-    (bench step's, 32 texts in flight, ad hoc) the cross-attention Softmax fell from 0.15 ms per
-    text to too little to list, and texts/s rose 1.04x (vanilla) and 1.02x (GRET).
-    ONNX Runtime's own setting (session.set_denormal_as_zero) reaches its pool threads but, on the
-    calling side, only the thread that initialises the process's first session; the engine's thread
-    is another. A flushed value is below 1.2e-38, nothing these graphs' outputs depend on
-    (tests/test_export.py holds their outputs to PyTorch's). 45 ns a call."""
+SUBNORMAL, ONE = 5e-324, 1.0  # module globals, so that SUBNORMAL * ONE is computed at run time, never folded
+
+
+def flushed(run, *args):
+    """run(*args) with denormal floats read and written as zero (DAZ, FTZ) on the calling thread,
+    where ONNX Runtime runs a graph whose session has one intra-op thread; the thread's own mode
+    comes back afterwards, so a caller's later float code (a test's Hypothesis, a user's NumPy)
+    never inherits it. Masked attention makes denormals: a padded source position's score is -inf,
+    and MLAS's exponential is slow for every result below float32's smallest normal, so a Softmax
+    over padded rows ran about 4x slower than over unpadded ones (29 sources x 4 beams x 4 heads
+    x 20 positions: 72 against 18 us; a vocabulary LogSoftmax with 3% of its values 87 below the
+    row's maximum, 4x too). In the engine loop (bench step's, 32 texts in flight, ad hoc) the
+    cross-attention Softmax fell from 0.15 ms per text to too little to list, and texts/s rose
+    1.04x (vanilla) and 1.02x (GRET). ONNX Runtime's own setting (session.set_denormal_as_zero)
+    is no substitute: it sets the mode for good on the thread that initialises the process's first
+    session (and on pool threads, which --threads > 1 leaves unflushed here), not on the engine's.
+    A flushed value is below 1.2e-38, nothing these graphs' outputs depend on (tests/test_export.py
+    holds them to PyTorch's). Two calls of 45 ns each."""
+    if SUBNORMAL * ONE == 0.0:  # this thread flushes already
+        return run(*args)
     torch.set_flush_denormal(True)
+    try:
+        return run(*args)
+    finally:
+        torch.set_flush_denormal(False)
 
 
 class OnnxGraph:
@@ -74,7 +85,6 @@ class OnnxGraph:
         # Idle ONNX Runtime threads must not spin: between steps the engine's own (torch) work runs
         # on the same cores, and spinning threads take those cores from it.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.add_session_config_entry("session.set_denormal_as_zero", "1")  # its pool threads: flush_denormals
         self.device = torch.device(device)
         providers = ["CPUExecutionProvider"]
         if self.device.type == "cuda":
@@ -147,11 +157,9 @@ class OnnxGraph:
         Fresh outputs on the CPU (no `out`, no `reuse`: the encoder's and the global graph's) are
         ONNX Runtime's own, which torch takes over as they are: fewer calls than a new tensor made
         and bound per output (an encoder pass of two texts, 16 pieces each: 0.75 -> 0.68 ms, ad hoc)."""
-        if self.device.type == "cpu":
-            flush_denormals()
         if out is None and not reuse and self.device.type == "cpu":
             feeds = {t.name: inputs[t.name].to(TORCH_TYPES[t.dtype]).contiguous().numpy() for t in self.spec.inputs}
-            arrays = self.session.run(self.output_names, feeds)
+            arrays = flushed(self.session.run, self.output_names, feeds)
             return {name: torch.from_numpy(a) for name, a in zip(self.output_names, arrays)}
         binding, bound = self._binding()
         raw = binding._iobinding  # its pybind object: _bind's bind_input and bind_output
@@ -173,7 +181,7 @@ class OnnxGraph:
                 outputs[t.name] = self._owned(t.name, shape, dtype) if reuse else \
                     torch.empty(shape, dtype=dtype, device=self.device)
             self._bind(raw.bind_output, bound, t, outputs[t.name])
-        self.session.run_with_iobinding(binding)
+        self._run_bound(binding)
         return outputs
 
     def rerun(self, changed: dict[str, torch.Tensor]) -> bool:
@@ -189,10 +197,14 @@ class OnnxGraph:
                 return False
         for name, tensor in changed.items():
             bound[name].copy_(tensor)
-        if self.device.type == "cpu":
-            flush_denormals()
-        self.session.run_with_iobinding(self.local.binding)
+        self._run_bound(self.local.binding)
         return True
+
+    def _run_bound(self, binding: ort.IOBinding) -> None:
+        if self.device.type == "cpu":
+            flushed(self.session.run_with_iobinding, binding)
+        else:
+            self.session.run_with_iobinding(binding)
 
 
 def output_shapes(spec: GraphSpec, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:

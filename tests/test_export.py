@@ -232,32 +232,42 @@ def test_the_step_refuses_a_cache_it_could_not_write_in_place(tmp_path, spm_byte
         onnx_model.step(torch.full((2,), model.cfg.bos_id), zeros, zeros, onnx_model.encode(src), cache)
 
 
-def test_a_graph_run_on_any_thread_flushes_denormals_there(tmp_path, spm_bytes):
-    """ONNX Runtime's own setting reaches only the thread that initialised the process's first
-    session; the engine runs its graphs on a thread of its own, where a masked attention's
-    exp(-inf) results would otherwise take MLAS's slow path (export.onnx_runtime.flush_denormals).
-    After an encoder pass and a step on a new thread, a denormal reads as zero on that thread."""
+def test_a_graph_runs_with_denormals_flushed_and_its_caller_keeps_its_own_float_mode(tmp_path):
+    """Inside a run, on whichever thread runs it, a denormal reads as zero (MLAS's exponential is
+    slow on them: export.onnx_runtime.flushed); after it the caller's thread computes with
+    denormals as before (a later Hypothesis or NumPy in the same thread sees IEEE floats)."""
     import threading
 
-    model, onnx_model = export_tiny("vanilla", tmp_path, spm_bytes)
-    src, _ = random_batch(model.cfg, [5, 3])
-    seen = {}
+    import numpy as np
+    from onnx import TensorProto, helper
 
-    def on_a_new_thread():
-        seen["before"] = (torch.tensor([1e-39]) * 1.0).item()
-        enc = onnx_model.encode(src)
-        seen["encoded"] = (torch.tensor([1e-39]) * 1.0).item()
-        shape = (2, model.cfg.n_heads, 4, model.cfg.d_model // model.cfg.n_heads)
-        cache = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.cfg.dec_layers)]
-        torch.set_flush_denormal(False)
-        zeros = torch.zeros(2, dtype=torch.long)
-        onnx_model.step(torch.full((2,), model.cfg.bos_id), zeros, torch.arange(2), enc, cache)
-        seen["stepped"] = (torch.tensor([1e-39]) * 1.0).item()
+    from export.spec import GraphSpec, TensorSpec
 
-    thread = threading.Thread(target=on_a_new_thread)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "one"], ["y"])], "times_one", [x], [y], [one])
+    path = tmp_path / "times_one.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
+    times_one = onnx_runtime.OnnxGraph(path, GraphSpec("times_one", (TensorSpec("x", "float32", ("n",)),),
+                                                       (TensorSpec("y", "float32", ("n",)),), ()))
+    denormal = torch.tensor([1e-39, 1.0])
+    float_mode = lambda: ((torch.tensor([1e-39]) * 1.0).item(), float(np.float32(1e-39) * 2))  # noqa: E731
+    seen = []
+
+    def run_twice():  # the fresh-output run, then a bound one (the decoder step's kind)
+        before = float_mode()
+        fresh = times_one.run({"x": denormal}, {"y": (2,)})["y"]
+        bound = times_one.run({"x": denormal}, {"y": (2,)}, reuse=True)["y"]
+        seen.append((fresh.tolist(), bound.tolist(), before, float_mode()))
+
+    thread = threading.Thread(target=run_twice)
     thread.start()
     thread.join()
-    assert seen == {"before": pytest.approx(1e-39), "encoded": 0.0, "stepped": 0.0}
+    run_twice()
+    for fresh, bound, before, after in seen:
+        assert fresh == bound == [0.0, 1.0]
+        assert before[0] > 0.0 and before[1] > 0.0 and after == before
 
 
 def test_the_servers_backend_stays_on_the_cpu_where_onnx_runtime_could_take_a_gpu(tmp_path, spm_bytes, monkeypatch):
