@@ -10,7 +10,8 @@ the decoder step writes its outputs into kept tensors, so a step runs on the mem
 before (OnnxGraph.run); a step whose row layout is unchanged copies in its tokens and positions and
 reruns the binding as it stands (OnnxGraph.rerun). On the CPU, a graph whose outputs are fresh
 every run (the encoder's, the global state's) is run plainly instead: ONNX Runtime allocates its
-outputs and torch takes them over.
+outputs and torch takes them over. Every CPU run flushes denormals on its thread for its duration
+(flushed).
 """
 from __future__ import annotations
 
@@ -54,14 +55,14 @@ def flushed(run, *args):
     where ONNX Runtime runs a graph whose session has one intra-op thread; the thread's own mode
     comes back afterwards, so a caller's later float code (a test's Hypothesis, a user's NumPy)
     never inherits it. Masked attention makes denormals: a padded source position's score is -inf,
-    and MLAS's exponential is slow for every result below float32's smallest normal, so a Softmax
-    over padded rows ran about 4x slower than over unpadded ones (29 sources x 4 beams x 4 heads
-    x 20 positions: 72 against 18 us; a vocabulary LogSoftmax with 3% of its values 87 below the
-    row's maximum, 4x too). In the engine loop (bench step's, 32 texts in flight, ad hoc) the
-    cross-attention Softmax fell from 0.15 ms per text to too little to list, and texts/s rose
-    1.04x (vanilla) and 1.02x (GRET). ONNX Runtime's own setting (session.set_denormal_as_zero)
-    is no substitute: it sets the mode for good on the thread that initialises the process's first
-    session (and on pool threads, which --threads > 1 leaves unflushed here), not on the engine's.
+    and MLAS's exponential is slow for every result below float32's smallest normal. All ad hoc: a
+    Softmax over padded rows ran about 4x slower than over unpadded ones (29 sources x 4 beams x
+    4 heads x 20 positions: 72 against 18 us; a vocabulary LogSoftmax with 3% of its values 87
+    below the row's maximum, 4x too); in bench step's engine loop (32 texts in flight) the
+    cross-attention Softmax fell from 0.15 to 0.035 ms per text and texts/s rose 1.04x (vanilla)
+    and 1.02x (GRET). ONNX Runtime's own setting (session.set_denormal_as_zero) is no substitute:
+    it sets the mode for good on the thread that initialises the process's first session, and
+    otherwise reaches only its intra-op pool threads. Those (--threads > 1) are left unflushed here.
     A flushed value is below 1.2e-38, nothing these graphs' outputs depend on (tests/test_export.py
     holds them to PyTorch's). Two calls of 45 ns each."""
     if SUBNORMAL * ONE == 0.0:  # this thread flushes already
