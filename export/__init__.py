@@ -9,8 +9,8 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
   encoder.onnx  src_ids (batch, src_len) int64 [, src_tags (batch, src_len) int64 for POS models]
              -> src_pad (batch, src_len) bool [, global_state, gate_source (batch, D) for GRET],
                 cross_key.i / cross_value.i (batch, H, src_len, d_h) per decoder layer i; a
-                capsule model gives capsule_votes (M*batch, src_len, K*d_c) for its M routed
-                layers instead of the global state: the runtime routes them on the host
+                capsule model gives capsule_votes (M*tokens, K*d_c) for the real tokens of its
+                M routed layers instead of the global state: the runtime routes them on the host
                 (kernels.routing.route_votes), then
   global.onnx   capsules (M*batch, K, d_c) -> global_state [, gate_source] (batch, D)
   decoder.onnx  tokens (R,) int64, positions (R,) int64 (the keys each row holds: its columns

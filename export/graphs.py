@@ -34,9 +34,9 @@ class EncoderGraph(nn.Module):
         views = m.encoder(m.embed_source(src_ids, src_tags), pad)
         memories = multiview_memories(m, views)
         kv = [layer.cross_attn.keys_values(memory) for layer, memory in zip(m.decoder, memories)]
-        if m.cfg.capsule:
-            h, _ = m.global_state.routing_input(views, pad)
-            return (*flatten_state(EncoderState(kv, pad)), capsule_votes(h, m.global_state.capsule_w))
+        if m.cfg.capsule:  # the votes of the routed layers' real tokens, layer-major (kernels.routing.route_votes)
+            h, routed_pad = m.global_state.routing_input(views, pad)
+            return (*flatten_state(EncoderState(kv, pad)), capsule_votes(h[~routed_pad], m.global_state.capsule_w))
         s = gs = None
         if m.global_state is not None:
             s = m.global_state(views, pad)

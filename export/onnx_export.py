@@ -71,8 +71,10 @@ def _export(module: torch.nn.Module, args: tuple, spec: GraphSpec, path: Path) -
 
 def declare_uninferred(path: Path, spec: GraphSpec) -> None:
     """Axes of the graph's outputs that ONNX shape inference could not follow get the spec's size or
-    name. It has no rule for com.microsoft ops (the decoder's GroupQueryAttention), so the exporter
-    names their axes after the op; every axis it did infer is left for check_graph to compare."""
+    name. It has no rule for com.microsoft ops (the decoder's GroupQueryAttention), and it loses the
+    axes behind the encoder's packing (training.seq2seq.layers.Packing: the token count comes from
+    NonZero), so the exporter names those axes after an op; every axis it did infer is left for
+    check_graph to compare."""
     model = onnx.load(str(path))
     axis_names = {d for t in spec.inputs + spec.outputs for d in t.shape if isinstance(d, str)}
     for value, t in zip(model.graph.output, spec.outputs):
@@ -125,7 +127,7 @@ def export_onnx(model: Seq2Seq, directory: Path) -> dict[str, Path]:
         _export(GlobalGraph(model), (sample_capsules(model),), specs["global"], paths["global"])
     per_sentence = flatten_state(model.encode(*src))
     _export(DecoderGraph(model), sample_step(model, per_sentence), specs["decoder"], paths["decoder"])
-    declare_uninferred(paths["decoder"], specs["decoder"])
     for name, spec in specs.items():
+        declare_uninferred(paths[name], spec)
         check_graph(paths[name], spec)
     return paths

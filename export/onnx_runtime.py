@@ -256,11 +256,13 @@ class OnnxModel:
         if self.cfg.pos_tags and src_tags is None:
             raise ValueError("this model needs source POS tags (config pos_tags=True)")
         batch, length = src.shape
-        sizes = {"batch": batch, "src_len": length, "groups": batch * self.cfg.routed_layers}
+        layers = self.cfg.routed_layers
+        lengths = src.ne(self.cfg.pad_id).sum(1).cpu().numpy()  # the votes hold real tokens only
+        sizes = {"batch": batch, "src_len": length, "routed_tokens": layers * int(lengths.sum())}
         inputs = {"src_ids": src} | ({"src_tags": src_tags} if self.cfg.pos_tags else {})
         outputs = self.encoder.run(inputs, output_shapes(self.encoder.spec, sizes))
         if self.global_graph is not None:
-            capsules = route_votes(outputs["capsule_votes"].cpu().numpy(), outputs["src_pad"].cpu().numpy(),
+            capsules = route_votes(outputs["capsule_votes"].cpu().numpy(), np.tile(lengths, layers),
                                    self.cfg.capsules, self.cfg.routing_iters, self.cfg.routing_logit_scale)
             outputs |= self.global_graph.run({"capsules": torch.from_numpy(capsules)},
                                              output_shapes(self.global_graph.spec, sizes))

@@ -85,9 +85,10 @@ def global_outputs(cfg: ModelConfig) -> list[TensorSpec]:
 
 
 def encoder_spec(cfg: ModelConfig) -> GraphSpec:
-    """The source's pass. With capsule routing it stops at the routing's votes (u_hat: the M routed
-    layers of B sentences as M*B groups, layer-major, every capsule's d_c values side by side); the
-    host routes them (kernels.routing.route_votes) and the global graph takes the capsules from there."""
+    """The source's pass. With capsule routing it stops at the routing's votes (u_hat of the real
+    tokens, no padding: the M routed layers one after another, in each the tokens of B sentences in
+    order, every capsule's d_c values side by side; routed_tokens = M * the tokens); the host routes
+    them (kernels.routing.route_votes) and the global graph takes the capsules from there."""
     inputs = [TensorSpec("src_ids", "int64", ("batch", "src_len"))]
     if cfg.pos_tags:
         inputs.append(TensorSpec("src_tags", "int64", ("batch", "src_len")))
@@ -97,7 +98,7 @@ def encoder_spec(cfg: ModelConfig) -> GraphSpec:
     if cfg.capsule:
         routed_on = global_outputs(cfg)  # computed after the host's routing, by the global graph
         outputs = [t for t in outputs if t not in routed_on]
-        outputs.append(TensorSpec("capsule_votes", "float32", ("groups", "src_len", cfg.capsules * cfg.capsule_dim)))
+        outputs.append(TensorSpec("capsule_votes", "float32", ("routed_tokens", cfg.capsules * cfg.capsule_dim)))
         weights += ["global_state.capsule_w", "global_state.layer_norm."]
     else:
         weights += ["global_state.", "context_gate.w_s."]

@@ -6,7 +6,8 @@ Three exact forms of the same math, each where it is cheapest:
   u_hat (G, K, S, d_c) are never built. The agreement b_ki = h_i . Z_k with Z_k = W_k sum_t u_k^(t),
   so each iteration is a K-query attention over h plus two per-capsule GEMMs.
 - the votes form, Algorithm 1 as printed, the one the ONNX backend runs: `capsule_votes` builds
-  u_hat as one 2-D GEMM h @ [W_1 .. W_K] inside the exported encoder graph (ONNX Runtime prepacks
+  u_hat of the real tokens (no padding) as one 2-D GEMM h @ [W_1 .. W_K] inside the exported
+  encoder graph (ONNX Runtime prepacks
   that weight and the int8 export quantizes it, one scale per capsule column), and `route_votes`
   runs the r iterations over it on the host, compiled by Numba, between the encoder graph and the
   graph of the global state (export/graphs.py). Per iteration that is a softmax over S per
@@ -77,63 +78,60 @@ def capsule_routing_reference(h: torch.Tensor, pad: torch.Tensor, w: torch.Tenso
 
 
 def capsule_votes(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """u_hat with the capsules side by side, (G, S, K*d_c): one GEMM by w as a plain 2-D weight
-    (D, K*d_c), which the exporter folds into one constant and the int8 quantizer takes."""
+    """u_hat with the capsules side by side, (..., K*d_c) for h (..., D): one GEMM by w as a plain
+    2-D weight (D, K*d_c), which the exporter folds into one constant and the int8 quantizer takes."""
     k, d, c = w.shape  # from w, not h: the reshaped weight folds into one constant
     return h @ w.transpose(0, 1).reshape(d, k * c)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
-def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, scale: float) -> np.ndarray:
-    """Algorithm 1 over capsule_votes' u_hat (G, S, K*d_c), float32, C-contiguous, for B sentences'
-    M routed layers (G = M*B, layer-major: group g is sentence g % B); pad (B, S) True = padding,
-    never read. Returns the capsules U (G, K, d_c) as the reference does, up to float32 summation
-    order (`reassoc` lets the dot products vectorise). The inner loops index `base + j`: the form
-    Numba vectorises."""
-    groups, length, width = votes.shape
+def route_votes(votes: np.ndarray, lengths: np.ndarray, capsules: int, iters: int, scale: float) -> np.ndarray:
+    """Algorithm 1 over capsule_votes' u_hat of the real tokens only (T, K*d_c), float32, C-contiguous:
+    G groups one after another, group g's lengths[g] tokens (for B sentences' M routed layers,
+    G = M*B, layer-major: the exported encoder packs its tokens so, training.seq2seq.layers.Packing).
+    Returns the capsules U (G, K, d_c) as the reference does, up to float32 summation order
+    (`reassoc` lets the dot products vectorise). The inner loops index `base + j`: the form Numba
+    vectorises."""
+    width = votes.shape[1]
     dim, temperature = width // capsules, np.float32(scale)  # float32 throughout, as the reference
-    out = np.zeros((groups, capsules, dim), np.float32)
-    logits = np.empty((length, capsules), np.float32)
-    coupling = np.zeros((length, capsules), np.float32)  # stays 0 at padding
+    out = np.zeros((len(lengths), capsules, dim), np.float32)
+    logits = np.empty((votes.shape[0], capsules), np.float32)
+    coupling = np.empty((votes.shape[0], capsules), np.float32)
     top = np.empty(capsules, np.float32)
     norm = np.empty(capsules, np.float32)
     total = np.empty(width, np.float32)
-    for g in range(groups):
-        skip = pad[g % pad.shape[0]]
-        tokens = length - skip.sum()
-        if tokens == 0:  # the reference's squashed masked mean of nothing is 0
+    end = 0
+    for g in range(len(lengths)):
+        begin, end = end, end + lengths[g]
+        if begin == end:  # the reference's squashed masked mean of nothing is 0
             continue
-        x = votes[g]
-        logits[:] = 0
+        x = votes[begin:end]
         for t in range(iters):
             if t == 0:  # all logits 0: the coupling is uniform
-                for s in range(length):
-                    coupling[s] = 0 if skip[s] else np.float32(1.0) / tokens
-            else:  # c_ki = softmax over the sentence's positions of scale * b_ki, per capsule
+                logits[: end - begin] = 0
+                coupling[: end - begin] = np.float32(1.0) / (end - begin)
+            else:  # c_ki = softmax over the group's tokens of scale * b_ki, per capsule
                 top[:] = -np.inf
-                for s in range(length):
-                    if not skip[s]:
-                        for k in range(capsules):
-                            top[k] = max(top[k], logits[s, k])
+                for s in range(end - begin):
+                    for k in range(capsules):
+                        top[k] = max(top[k], logits[s, k])
                 norm[:] = 0
-                for s in range(length):
-                    if not skip[s]:
-                        for k in range(capsules):
-                            e = np.exp(temperature * (logits[s, k] - top[k]))
-                            coupling[s, k] = e
-                            norm[k] += e
+                for s in range(end - begin):
+                    for k in range(capsules):
+                        e = np.exp(temperature * (logits[s, k] - top[k]))
+                        coupling[s, k] = e
+                        norm[k] += e
                 for k in range(capsules):
                     norm[k] = 1 / norm[k]
-                for s in range(length):
+                for s in range(end - begin):
                     for k in range(capsules):
                         coupling[s, k] *= norm[k]
             total[:] = 0  # s_k = sum_i c_ki u_hat_k|i
-            for s in range(length):
-                if not skip[s]:
-                    for k in range(capsules):
-                        c, base = coupling[s, k], k * dim
-                        for j in range(dim):
-                            total[base + j] += c * x[s, base + j]
+            for s in range(end - begin):
+                for k in range(capsules):
+                    c, base = coupling[s, k], k * dim
+                    for j in range(dim):
+                        total[base + j] += c * x[s, base + j]
             for k in range(capsules):  # u_k = squash(s_k)
                 base, n2 = k * dim, np.float32(0)
                 for j in range(dim):
@@ -142,22 +140,21 @@ def route_votes(votes: np.ndarray, pad: np.ndarray, capsules: int, iters: int, s
                 for j in range(dim):
                     out[g, k, j] = total[base + j] * f
             if t < iters - 1:  # b_ki += u_hat_k|i . u_k
-                for s in range(length):
-                    if not skip[s]:
-                        for k in range(capsules):
-                            a, base = np.float32(0), k * dim
-                            for j in range(dim):
-                                a += x[s, base + j] * out[g, k, j]
-                            logits[s, k] += a
+                for s in range(end - begin):
+                    for k in range(capsules):
+                        a, base = np.float32(0), k * dim
+                        for j in range(dim):
+                            a += x[s, base + j] * out[g, k, j]
+                        logits[s, k] += a
     return out
 
 
 def capsule_routing_votes(h: torch.Tensor, pad: torch.Tensor, w: torch.Tensor, iters: int,
                           scale: float = 1.0) -> torch.Tensor:
     """The votes form end to end on CPU tensors (the reference's contract): what the ONNX backend
-    computes, capsule_votes in its graph and route_votes on the graph's output."""
-    votes = capsule_votes(h, w).float().contiguous().numpy()
-    return torch.from_numpy(route_votes(votes, pad.numpy(), w.shape[0], iters, scale))
+    computes, capsule_votes of the real tokens in its graph and route_votes on the graph's output."""
+    votes = capsule_votes(h[~pad], w).float().contiguous().numpy()
+    return torch.from_numpy(route_votes(votes, (~pad).sum(1).numpy(), w.shape[0], iters, scale))
 
 
 # ---- dispatcher ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
 from kernels.routing import capsule_routing, capsule_routing_votes, masked_mean, squash
-from training.seq2seq.layers import EncoderLayer
+from training.seq2seq.layers import EncoderLayer, Packing
 from training.seq2seq.model import Seq2Seq, row_groups
 from training.seq2seq.multiview import view_index
 from training.seq2seq.positions import choose_mvpe_k, mvpe_objective, sinusoid_table
@@ -35,6 +35,30 @@ def test_padding_and_batch_invariance(name):
         alone = teacher_forced_log_probs(model, src[i: i + 1, :n], None if tags is None else tags[i: i + 1, :n],
                                          tgt[i: i + 1])
         torch.testing.assert_close(together[i: i + 1], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_the_encoder_computes_real_tokens_only_and_gives_what_the_padded_layers_give():
+    encoder = build("vanilla").encoder.eval()
+    x = torch.randn(3, 7, encoder.norm.normalized_shape[0])
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 4:], pad[2, 1:] = True, True
+    padded = x
+    with torch.no_grad():
+        views = encoder(x, pad)
+        for i, layer in enumerate(encoder.layers):  # the same layers on every slot, padding included
+            padded = layer.res_attn(padded, lambda h: layer.self_attn(h, key_pad=pad))
+            padded = layer.res_ffn(padded, layer.ffn)
+            want = encoder.norm(padded) if i == len(encoder.layers) - 1 else padded
+            torch.testing.assert_close(views[i][~pad], want[~pad], atol=1e-6, rtol=1e-5)
+            assert views[i][pad].eq(views[i][0, 0]).all()  # padding is never computed: it reads token 0
+
+
+def test_packing_round_trips_the_real_tokens_in_order():
+    pad = torch.tensor([[False, False, True], [False, True, True], [False, False, False]])
+    x = torch.arange(9.0).view(3, 3, 1)
+    packing = Packing(pad)
+    assert packing.pack(x).flatten().tolist() == [0, 1, 3, 6, 7, 8]
+    torch.testing.assert_close(packing.unpack(packing.pack(x)), torch.where(pad[..., None], x[0, 0], x))
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -225,7 +249,8 @@ def test_graph_layer_one_with_sum_fusion_is_a_standard_encoder_layer():
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1, 3:] = True
     a, n = layer1(torch.zeros_like(x), x, pad)
-    torch.testing.assert_close(a + n, standard(x, pad))
+    packing = Packing(pad)
+    torch.testing.assert_close(packing.pack(a + n), standard(packing.pack(x), packing))
 
 
 def test_shared_qkv_uses_six_input_projections_per_layer():

@@ -87,6 +87,22 @@ class MultiHeadAttention(nn.Module):
         k, v = self.keys_values(x if memory is None else memory)
         return self.attend(self.split(self.q(x)), k, v, key_pad, causal)
 
+    def packed_self(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Self-attention of a packed batch's tokens x (N, D) -> (N, D): the projections run on the
+        tokens, the attention on the padded layout (Packing)."""
+        qkv = packing.unpack(self.qkv(x))  # (B, S, 3 * inner)
+        q, k, v = (self.split(t) for t in qkv.split(self.n_heads * self.d_head, -1))
+        dropout_p = self.dropout if self.training else 0.0
+        out = grouped_attention_reference(q, k, v, packing.pad, 1, dropout_p)
+        return self.o(packing.pack(out.transpose(1, 2)).flatten(1))  # (N, H, d) -> (N, H * d)
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """Q, K and V side by side by one projection: exported, the three weights fold into one
+        initializer and an int8 graph quantizes x once, not three times (eager, it costs what
+        three Linears do)."""
+        return F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]),
+                        torch.cat([self.q.bias, self.k.bias, self.v.bias]))
+
     # ---- one decoder step for rows at their own positions (continuous batching) ---------------
     def one_position(self, x: torch.Tensor) -> torch.Tensor:
         """(R, H*d) -> (R, H, 1, d) for a single position: a reshape, where split() is a transpose."""
@@ -99,11 +115,7 @@ class MultiHeadAttention(nn.Module):
         the row holds), and the row attends to columns 0..lengths[r]. Returns (R, D) and the cache
         (the same memory; traced, the graph's present K/V). Writing in place, never growing the
         cache, is what lets a served step cost the same at any width."""
-        # One projection by the three weights side by side: exported, they fold into one initializer
-        # and the int8 step quantizes x once, not three times (eager, it costs what three Linears do).
-        qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]),
-                       torch.cat([self.q.bias, self.k.bias, self.v.bias]))
-        out, present_k, present_v = CachedSelfAttention.apply(qkv, past_k, past_v, lengths,
+        out, present_k, present_v = CachedSelfAttention.apply(self.qkv(x), past_k, past_v, lengths,
                                                               self.n_heads)
         return self.o(out), (present_k, present_v)
 
@@ -124,6 +136,29 @@ class MultiHeadAttention(nn.Module):
             out = scores.masked_fill(src_pad[:, None, None, :], float("-inf")).softmax(-1) @ memory[1]
             out = out.transpose(1, 2)  # (B, W, H, d)
         return self.o(out.reshape(-1, self.n_heads * self.d_head).index_select(0, row_slot))
+
+
+class Packing:
+    """The real tokens of a padded batch (pad: (B, S), True = padding) as rows (N, ...).
+
+    The encoder runs its position-wise work (LayerNorms, projections, FFNs) on these N rows and
+    reads them in the padded layout (B, S, ...) for attention alone. A batch of unequal sentences
+    is largely padding, whose outputs nothing reads (docs/MODEL.md, Base Transformer). Index ops
+    only, so the exported graph packs too."""
+
+    def __init__(self, pad: torch.Tensor):
+        self.pad, self.keep = pad, ~pad
+        # each slot's row; padding reads row 0, whose copy every reader of padding masks
+        counts = self.keep.flatten().long().cumsum(0)  # (ONNX has no CumSum of booleans)
+        self.slots = torch.where(self.keep.flatten(), counts - 1, 0).view_as(pad)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (N, ...), in the batch's order."""
+        return x[self.keep]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, D) -> (B, S, D); padding holds row 0's values (masked wherever padding is read)."""
+        return x[self.slots]  # one gather by (B, S) indices: no reshape to trace
 
 
 class FeedForward(nn.Module):
@@ -163,8 +198,9 @@ class EncoderLayer(nn.Module):
         self.res_attn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        x = self.res_attn(x, lambda h: self.self_attn(h, key_pad=pad))
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """x: the batch's tokens (N, D), packed (Packing)."""
+        x = self.res_attn(x, lambda h: self.self_attn.packed_self(h, packing))
         return self.res_ffn(x, self.ffn)
 
 
@@ -175,13 +211,15 @@ class TransformerEncoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> list[torch.Tensor]:
-        """Returns the views S_1..S_M: each layer's output; the last is what the decoder sees."""
-        views = []
+        """Returns the views S_1..S_M (B, S, D): each layer's output (padding: Packing.unpack); the
+        last is what the decoder sees. The layers see the real tokens only (Packing)."""
+        packing = Packing(pad)
+        x, views = packing.pack(x), []
         for layer in self.layers:
-            x = layer(x, pad)
+            x = layer(x, packing)
             views.append(x)
         views[-1] = self.norm(x)
-        return views
+        return [packing.unpack(v) for v in views]
 
 
 class DecoderLayer(nn.Module):
