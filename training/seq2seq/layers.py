@@ -89,19 +89,14 @@ class MultiHeadAttention(nn.Module):
 
     def packed_self(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
         """Self-attention of a packed batch's tokens x (N, D) -> (N, D): the projections run on the
-        tokens, the attention on the padded layout (Packing)."""
-        qkv = packing.unpack(self.qkv(x))  # (B, S, 3 * inner)
-        q, k, v = (self.split(t) for t in qkv.split(self.n_heads * self.d_head, -1))
+        tokens, the attention on the padded layout (Packing). Three projections, each unpacked on
+        its own: one by the weights side by side would need its output split, which ONNX Runtime
+        copies (measured: as long as the projection itself); the int8 graph quantizes x once for
+        all three anyway."""
+        q, k, v = (self.split(packing.unpack(f(x))) for f in (self.q, self.k, self.v))
         dropout_p = self.dropout if self.training else 0.0
         out = grouped_attention_reference(q, k, v, packing.pad, 1, dropout_p)
         return self.o(packing.pack(out.transpose(1, 2)).flatten(1))  # (N, H, d) -> (N, H * d)
-
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """Q, K and V side by side by one projection: exported, the three weights fold into one
-        initializer and an int8 graph quantizes x once, not three times (eager, it costs what
-        three Linears do)."""
-        return F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]),
-                        torch.cat([self.q.bias, self.k.bias, self.v.bias]))
 
     # ---- one decoder step for rows at their own positions (continuous batching) ---------------
     def one_position(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +110,11 @@ class MultiHeadAttention(nn.Module):
         the row holds), and the row attends to columns 0..lengths[r]. Returns (R, D) and the cache
         (the same memory; traced, the graph's present K/V). Writing in place, never growing the
         cache, is what lets a served step cost the same at any width."""
-        out, present_k, present_v = CachedSelfAttention.apply(self.qkv(x), past_k, past_v, lengths,
+        # One projection by the three weights side by side: exported, they fold into one initializer
+        # and the int8 step quantizes x once, not three times (eager, it costs what three Linears do).
+        qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]),
+                       torch.cat([self.q.bias, self.k.bias, self.v.bias]))
+        out, present_k, present_v = CachedSelfAttention.apply(qkv, past_k, past_v, lengths,
                                                               self.n_heads)
         return self.o(out), (present_k, present_v)
 
