@@ -256,9 +256,10 @@ class OnnxModel:
         if self.cfg.pos_tags and src_tags is None:
             raise ValueError("this model needs source POS tags (config pos_tags=True)")
         batch, length = src.shape
-        layers = self.cfg.routed_layers
-        lengths = src.ne(self.cfg.pad_id).sum(1).cpu().numpy()  # the votes hold real tokens only
-        sizes = {"batch": batch, "src_len": length, "routed_tokens": layers * int(lengths.sum())}
+        sizes = {"batch": batch, "src_len": length}
+        if self.global_graph is not None:  # the votes hold the real tokens of every routed layer
+            layers, lengths = self.cfg.routed_layers, src.ne(self.cfg.pad_id).sum(1).cpu().numpy()
+            sizes["routed_tokens"] = layers * int(lengths.sum())
         inputs = {"src_ids": src} | ({"src_tags": src_tags} if self.cfg.pos_tags else {})
         outputs = self.encoder.run(inputs, output_shapes(self.encoder.spec, sizes))
         if self.global_graph is not None:

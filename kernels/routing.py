@@ -7,8 +7,8 @@ Three exact forms of the same math, each where it is cheapest:
   so each iteration is a K-query attention over h plus two per-capsule GEMMs.
 - the votes form, Algorithm 1 as printed, the one the ONNX backend runs: `capsule_votes` builds
   u_hat of the real tokens (no padding) as one 2-D GEMM h @ [W_1 .. W_K] inside the exported
-  encoder graph (ONNX Runtime prepacks
-  that weight and the int8 export quantizes it, one scale per capsule column), and `route_votes`
+  encoder graph (ONNX Runtime prepacks that weight and the int8 export quantizes it, one scale
+  per capsule column), and `route_votes`
   runs the r iterations over it on the host, compiled by Numba, between the encoder graph and the
   graph of the global state (export/graphs.py). Per iteration that is a softmax over S per
   capsule, a weighted sum and an agreement dot, G*K*S*d_c multiply-adds each: too few for ONNX
@@ -86,12 +86,11 @@ def capsule_votes(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
 def route_votes(votes: np.ndarray, lengths: np.ndarray, capsules: int, iters: int, scale: float) -> np.ndarray:
-    """Algorithm 1 over capsule_votes' u_hat of the real tokens only (T, K*d_c), float32, C-contiguous:
-    G groups one after another, group g's lengths[g] tokens (for B sentences' M routed layers,
-    G = M*B, layer-major: the exported encoder packs its tokens so, training.seq2seq.layers.Packing).
-    Returns the capsules U (G, K, d_c) as the reference does, up to float32 summation order
-    (`reassoc` lets the dot products vectorise). The inner loops index `base + j`: the form Numba
-    vectorises."""
+    """Algorithm 1 over capsule_votes' u_hat of the real tokens only (T, K*d_c), float32,
+    C-contiguous: G groups one after another, group g's lengths[g] tokens (for B sentences' M
+    routed layers, G = M*B, layer-major, as export/graphs.py's encoder lays them out). Returns the
+    capsules U (G, K, d_c) as the reference does, up to float32 summation order (`reassoc` lets
+    the dot products vectorise). The inner loops index `base + j`: the form Numba vectorises."""
     width = votes.shape[1]
     dim, temperature = width // capsules, np.float32(scale)  # float32 throughout, as the reference
     out = np.zeros((len(lengths), capsules, dim), np.float32)
@@ -100,34 +99,34 @@ def route_votes(votes: np.ndarray, lengths: np.ndarray, capsules: int, iters: in
     top = np.empty(capsules, np.float32)
     norm = np.empty(capsules, np.float32)
     total = np.empty(width, np.float32)
-    end = 0
+    begin = 0
     for g in range(len(lengths)):
-        begin, end = end, end + lengths[g]
-        if begin == end:  # the reference's squashed masked mean of nothing is 0
+        n = lengths[g]
+        x, begin = votes[begin: begin + n], begin + n
+        if n == 0:  # the reference's squashed masked mean of nothing is 0
             continue
-        x = votes[begin:end]
         for t in range(iters):
             if t == 0:  # all logits 0: the coupling is uniform
-                logits[: end - begin] = 0
-                coupling[: end - begin] = np.float32(1.0) / (end - begin)
+                logits[:n] = 0
+                coupling[:n] = np.float32(1.0) / n
             else:  # c_ki = softmax over the group's tokens of scale * b_ki, per capsule
                 top[:] = -np.inf
-                for s in range(end - begin):
+                for s in range(n):
                     for k in range(capsules):
                         top[k] = max(top[k], logits[s, k])
                 norm[:] = 0
-                for s in range(end - begin):
+                for s in range(n):
                     for k in range(capsules):
                         e = np.exp(temperature * (logits[s, k] - top[k]))
                         coupling[s, k] = e
                         norm[k] += e
                 for k in range(capsules):
                     norm[k] = 1 / norm[k]
-                for s in range(end - begin):
+                for s in range(n):
                     for k in range(capsules):
                         coupling[s, k] *= norm[k]
             total[:] = 0  # s_k = sum_i c_ki u_hat_k|i
-            for s in range(end - begin):
+            for s in range(n):
                 for k in range(capsules):
                     c, base = coupling[s, k], k * dim
                     for j in range(dim):
@@ -140,7 +139,7 @@ def route_votes(votes: np.ndarray, lengths: np.ndarray, capsules: int, iters: in
                 for j in range(dim):
                     out[g, k, j] = total[base + j] * f
             if t < iters - 1:  # b_ki += u_hat_k|i . u_k
-                for s in range(end - begin):
+                for s in range(n):
                     for k in range(capsules):
                         a, base = np.float32(0), k * dim
                         for j in range(dim):

@@ -147,9 +147,10 @@ class Packing:
 
     def __init__(self, pad: torch.Tensor):
         self.pad, self.keep = pad, ~pad
+        keep = self.keep.flatten()
         # each slot's row; padding reads row 0, whose copy every reader of padding masks
-        counts = self.keep.flatten().long().cumsum(0)  # (ONNX has no CumSum of booleans)
-        self.slots = torch.where(self.keep.flatten(), counts - 1, 0).view_as(pad)
+        counts = keep.long().cumsum(0)  # (ONNX has no CumSum of booleans)
+        self.slots = torch.where(keep, counts - 1, 0).view_as(pad)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (N, ...), in the batch's order."""
