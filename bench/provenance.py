@@ -29,8 +29,27 @@ class Run:
                 "commit": git_commit(),
                 "versions": versions(),
                 "machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-                            "platform": platform.platform(), "load_average_start": list(self.load_start),
+                            "cpu": cpu(), "platform": platform.platform(), "load_average_start": list(self.load_start),
                             "load_average_end": list(os.getloadavg()), "note": self.note}}
+
+
+# The instruction sets that decide which int8 and float kernels ONNX Runtime and CTranslate2 pick
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu() -> str:
+    """The processor, as /proc/cpuinfo names it (a VM may shorten the name: family and model say
+    more), and its vector extensions: runs on different processors are not comparable, not even
+    in their ratios (int8 kernels differ by extension). Empty where /proc/cpuinfo is missing."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return ""
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = [f for f in VECTOR_FLAGS if f in info.get("flags", "").split()]
+    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}; "
+            f"{' '.join(flags) or 'no AVX2'})")
 
 
 def git_commit() -> str:

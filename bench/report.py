@@ -50,7 +50,7 @@ def provenance(data: dict) -> str:
     m, v = data.get("machine", {}), data.get("versions", {})
     load = lambda key: "/".join(f"{x:.1f}" for x in m.get(key, [])) or "?"
     return (f"Command: `{data['command'].strip()}` · {data.get('date', '?')} · commit {data.get('commit', '?')}  \n"
-            f"Machine: {m.get('cpus', '?')} CPUs, {m.get('platform', '?')}; load average (1/5/15 min) "
+            f"Machine: {m.get('cpus', '?')} CPUs{', ' + m['cpu'] if m.get('cpu') else ''}, {m.get('platform', '?')}; load average (1/5/15 min) "
             f"{load('load_average_start')} at the start, {load('load_average_end')} at the end"
             f"{' — ' + m['note'] if m.get('note') else ''}  \n"
             f"Versions: {', '.join(f'{k} {x}' for k, x in v.items())}")

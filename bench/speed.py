@@ -1,8 +1,8 @@
 """python -m bench speed [--quick] [--publish]: the server, as a user runs it, against CTranslate2.
 
 One run, the systems taking turns, so that every ratio compares numbers taken under the same
-machine load (the offline systems each run one untimed round first, the servers warm up inside
-every point):
+machine load (each system first runs one untimed round or point, and the servers warm up inside
+every point too):
   1. the score: `python -m server` with its default flags (both caches off: the texts repeat
      across rounds), 64 callers in a closed loop, one unseen Multi30K test sentence per call,
      beam 4, found like a user finds it: over gRPC on loopback, from another process. Against it,
@@ -247,6 +247,12 @@ def measure(args, log_dir: Path) -> dict:
         engine.run(texts[: args.ct2_texts])
         for system in ct2.values():
             system.run(sources[: args.ct2_texts])
+        # The servers too, with one untimed point each: a server's first point met the same first
+        # touch in its workers, and on the POS model the tagger's first analysis of every word of
+        # the texts (parent 1.82 core-ms per text in round 0 against 1.30-1.54 in rounds 1-4; GRET
+        # / vanilla 0.742 against 0.835-0.933; a 5-round run on 00d63a5).
+        for server, model in servers.values():
+            asyncio.run(load(server, model, texts, CALLERS, plan))
         for r in range(args.rounds):
             names = list(ct2) + ["engine-offline"] + list(servers) + ["grpc-floor"]
             names = names[r % len(names):] + names[: r % len(names)]

@@ -2,6 +2,7 @@
 import gzip
 import io
 import itertools
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,6 +152,26 @@ def test_whitespace_piece_takes_next_word():
     spans = [(0, 0), (0, 1), (3, 5), (5, 6), (6, 7)]
     assert pt.align(spans, words) == [U["NOUN"], U["NOUN"], U["VERB"], U["VERB"], U["VERB"]]
     assert pt.align([(0, 1)], []) == [pt.X_ID]
+
+
+def test_a_piece_takes_the_word_it_overlaps_most_the_first_of_equals_else_the_next_word():
+    """align's rule, checked against every word for each piece, on random layouts: pieces that
+    cross words, lie between them, or past the last."""
+    rng = random.Random(0)
+    for _ in range(500):
+        cuts = sorted(rng.sample(range(1, 60), rng.randint(2, 16)))
+        words = [(b, e, rng.randint(1, 17)) for b, e in zip(cuts[::2], cuts[1::2])]
+        bounds = sorted(rng.choices(range(0, 64), k=rng.randint(1, 12)))
+        spans = list(zip([0] + bounds, bounds))
+        expected = []
+        for b, e in spans:
+            overlaps = [min(e, we) - max(b, wb) for wb, we, _ in words]
+            if max(overlaps) > 0:
+                expected.append(words[overlaps.index(max(overlaps))][2])
+            else:
+                after = [w for w in words if w[1] > b]
+                expected.append((after[0] if after else words[-1])[2])
+        assert pt.align(spans, words) == expected, (spans, words)
 
 
 def test_offsets_are_characters(sp):

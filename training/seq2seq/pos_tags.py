@@ -8,7 +8,6 @@ tag of the word they belong to.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import os
@@ -380,23 +379,23 @@ def align(spans: list[tuple[int, int]], words: list[tuple[int, int, int]]) -> li
 
     A piece takes the tag of the word it overlaps most; a piece that covers
     no word (whitespace, a lone '▁', a dropped control char) takes the next
-    word's tag, or the last word's at the end of the text.
+    word's tag, or the last word's at the end of the text. Pieces and words
+    both run left to right, so one pass over each suffices (the GRET server
+    tags every request: this is on its hot path).
     """
     if not words:
         return [X_ID] * len(spans)
-    ends = [e for _, e, _ in words]
-    out = []
+    out, i, last = [], 0, len(words) - 1
     for b, e in spans:
-        i = bisect.bisect_right(ends, b)  # first word ending after b
-        best, best_overlap = None, 0
-        j = i
-        while j < len(words) and words[j][0] < e:
-            overlap = min(e, words[j][1]) - max(b, words[j][0])
+        while i < last and words[i][1] <= b:  # words that end before the piece begins are behind it
+            i += 1
+        best, best_overlap, j = i, 0, i  # i: the next word (or the last), where the piece overlaps none
+        while j <= last and words[j][0] < e:
+            begin, end, _ = words[j]
+            overlap = (e if e < end else end) - (b if b > begin else begin)  # min/max calls cost more
             if overlap > best_overlap:
                 best, best_overlap = j, overlap
             j += 1
-        if best is None:
-            best = i if i < len(words) else len(words) - 1
         out.append(words[best][2])
     return out
 
