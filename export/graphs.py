@@ -17,7 +17,7 @@ from kernels.routing import capsule_votes
 from training.seq2seq.beam import block_maxima
 from training.seq2seq.model import EncoderState, Seq2Seq, row_groups
 
-from .spec import cross_names, decoder_spec, past_names, per_sentence
+from .spec import SOURCE_CLASSES, class_name, cross_names, decoder_spec, past_names, per_sentence
 
 
 class EncoderGraph(nn.Module):
@@ -59,8 +59,8 @@ class GlobalGraph(nn.Module):
 
 
 class DecoderGraph(nn.Module):
-    """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, group_rows,
-    the per-sentence tensors, past K/V per layer), positionally in spec order ->
+    """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, per length
+    class its group_rows and per-sentence tensors, past K/V per layer), positionally in spec order ->
     log_probs (R, V), the past K/V per layer with this step's column written (present, (R, H, T, d_h)),
     the maxima of log_probs' blocks (training.seq2seq.beam.block_maxima, for the host's top-k):
     Seq2Seq.step_rows, the model's own step, in plain torch ops (kernels=False) so that tracing
@@ -74,10 +74,12 @@ class DecoderGraph(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.model
         named = dict(zip(self.input_names, inputs))
-        enc = unflatten_state(m.cfg, [named[t.name] for t in per_sentence(m.cfg)])
+        classes = tuple(unflatten_state(m.cfg, [named[class_name(c, t.name)] for t in per_sentence(m.cfg)])
+                        for c in range(SOURCE_CLASSES))
+        groups = tuple(named[class_name(c, "group_rows")] for c in range(SOURCE_CLASSES))
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
         log_probs, present = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
-                                         named["group_rows"], named["row_slot"], enc, past)
+                                         groups, named["row_slot"], classes, past)
         return (log_probs, *(t for kv in present for t in kv), block_maxima(log_probs))
 
 
@@ -92,21 +94,40 @@ def multiview_memories(m: Seq2Seq, views: list[torch.Tensor]) -> list[torch.Tens
     return [mv.norms[i](g + views[-1]) for i, g in enumerate(views_i)] if mv.soft else views_i
 
 
-def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
-                   cache: list) -> dict[str, torch.Tensor]:
+def decoder_inputs(tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+                   enc: EncoderState | tuple[EncoderState, ...], cache: list) -> dict[str, torch.Tensor]:
     """The decoder step's inputs by name (a superset of any one model's spec)."""
     return {"tokens": tokens, "positions": positions} | layout_inputs(row_sentence, enc, cache)
 
 
-def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState, cache: list) -> dict[str, torch.Tensor]:
+def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState | tuple[EncoderState, ...],
+                  cache: list) -> dict[str, torch.Tensor]:
     """The step's inputs other than its tokens and positions: what the rows' layout decides. A row
-    whose row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group."""
-    sentence, row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-    inputs = {"row_sentence": sentence, "row_slot": row_slot, "group_rows": group_rows}
-    inputs |= dict(zip(state_names(enc), flatten_state(enc)))
+    whose row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group.
+    enc: one state, or up to SOURCE_CLASSES length classes (Seq2Seq.step); the classes it lacks are
+    empty (no sentence; a step costs them a few empty ops)."""
+    classes = source_classes(enc)
+    sizes = [c.src_pad.shape[0] for c in classes]
+    sentence, row_slot, group_rows = row_groups(row_sentence, sum(sizes))
+    inputs = {"row_sentence": sentence, "row_slot": row_slot}
+    for c, (state, rows) in enumerate(zip(classes, group_rows.split(sizes))):
+        inputs[class_name(c, "group_rows")] = rows
+        inputs |= {class_name(c, n): t for n, t in zip(state_names(state), flatten_state(state))}
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))
     return inputs
+
+
+def source_classes(enc: EncoderState | tuple[EncoderState, ...]) -> tuple[EncoderState, ...]:
+    """SOURCE_CLASSES states: enc's, then empty ones (no sentences, one column)."""
+    classes = enc if isinstance(enc, tuple) else (enc,)
+    if len(classes) > SOURCE_CLASSES:
+        raise ValueError(f"{len(classes)} length classes; the decoder step takes at most {SOURCE_CLASSES}")
+    none = lambda t: None if t is None else t[:0]  # noqa: E731
+    first = classes[0]
+    empty = EncoderState([(k[:0, :, :1], v[:0, :, :1]) for k, v in first.memory], first.src_pad[:0, :1],
+                         none(first.global_state), none(first.gate_source))
+    return classes + (empty,) * (SOURCE_CLASSES - len(classes))
 
 
 def flatten_state(enc: EncoderState) -> tuple[torch.Tensor, ...]:

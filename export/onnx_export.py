@@ -14,16 +14,18 @@ from pathlib import Path
 import onnx
 import torch
 
-from training.seq2seq.model import Seq2Seq
+from training.seq2seq.model import EncoderState, Seq2Seq
 
-from .graphs import DecoderGraph, EncoderGraph, GlobalGraph, decoder_inputs, flatten_state, unflatten_state
+from .graphs import DecoderGraph, EncoderGraph, GlobalGraph, decoder_inputs
 from .spec import OPSET, GraphSpec, decoder_spec, model_specs, unclaimed_weights
 
 ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT, "bool": onnx.TensorProto.BOOL}
 
 # Sample sizes for tracing: all different from each other and > 1, so that no axis is mistaken for
-# another or specialised to a constant.
-SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST, SAMPLE_WIDTH = 2, 7, 3, 4, 6
+# another or specialised to a constant. The decoder's sample has SAMPLE_ROWS rows in groups of at
+# most 2 over two length classes of sentences (SAMPLE_CLASSES: sentences x columns each).
+SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST, SAMPLE_WIDTH = 2, 7, 8, 4, 6
+SAMPLE_CLASSES = ((3, 5), (4, SAMPLE_SRC_LEN))
 
 
 class ExportError(ValueError):
@@ -48,16 +50,28 @@ def sample_capsules(model: Seq2Seq) -> torch.Tensor:
     return torch.randn(groups, cfg.capsules, cfg.capsule_dim, generator=g) * 0.1
 
 
-def sample_step(model: Seq2Seq, per_sentence: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def sample_step(model: Seq2Seq) -> tuple[torch.Tensor, ...]:
     cfg = model.cfg
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     tokens = torch.full((SAMPLE_ROWS,), cfg.bos_id)
-    row_sentence = torch.tensor([0, 1, 1])  # unequal beams: nothing may assume rows = batch * beam
-    positions = torch.tensor([SAMPLE_PAST, SAMPLE_PAST, 1])  # rows that joined at different steps
+    row_sentence = torch.tensor([0, 1, 1, 2, 3, 4, 5, 6])  # unequal beams: nothing may assume rows = batch * beam
+    positions = torch.tensor([SAMPLE_PAST, SAMPLE_PAST, 1, 0, 2, 3, 1, 0])  # rows that joined at different steps
     past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_WIDTH, d_head) for _ in range(2 * cfg.dec_layers)]  # room to spare
-    enc = unflatten_state(cfg, per_sentence)
-    inputs = decoder_inputs(tokens, positions, row_sentence, enc, list(zip(past[::2], past[1::2])))
+    inputs = decoder_inputs(tokens, positions, row_sentence, sample_classes(model), list(zip(past[::2], past[1::2])))
     return tuple(inputs[name] for name in decoder_spec(cfg).input_names())
+
+
+def sample_classes(model: Seq2Seq) -> tuple[EncoderState, ...]:
+    """SAMPLE_CLASSES' sentences encoded, each class padded to its own width; the last sentence of
+    each is a piece shorter, so that the masks are traced as data."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [width - (k == n - 1) for n, width in SAMPLE_CLASSES for k in range(n)]
+    src = torch.randint(4, model.cfg.vocab_size, (len(lengths), SAMPLE_SRC_LEN), generator=g)
+    src[torch.arange(SAMPLE_SRC_LEN) >= torch.tensor(lengths)[:, None]] = model.cfg.pad_id
+    tags = torch.randint(1, model.cfg.n_pos_tags, src.shape, generator=g) if model.cfg.pos_tags else None
+    sentences = model.encode(src, tags).split([width for n, width in SAMPLE_CLASSES for _ in range(n)])
+    ends = [sum(n for n, _ in SAMPLE_CLASSES[: c + 1]) for c in range(len(SAMPLE_CLASSES))]
+    return tuple(EncoderState.stack(sentences[end - n: end]) for (n, _), end in zip(SAMPLE_CLASSES, ends))
 
 
 def _export(module: torch.nn.Module, args: tuple, spec: GraphSpec, path: Path) -> None:
@@ -125,8 +139,7 @@ def export_onnx(model: Seq2Seq, directory: Path) -> dict[str, Path]:
     _export(EncoderGraph(model), src, specs["encoder"], paths["encoder"])
     if "global" in specs:
         _export(GlobalGraph(model), (sample_capsules(model),), specs["global"], paths["global"])
-    per_sentence = flatten_state(model.encode(*src))
-    _export(DecoderGraph(model), sample_step(model, per_sentence), specs["decoder"], paths["decoder"])
+    _export(DecoderGraph(model), sample_step(model), specs["decoder"], paths["decoder"])
     for name, spec in specs.items():
         declare_uninferred(paths[name], spec)
         check_graph(paths[name], spec)

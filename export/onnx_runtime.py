@@ -32,7 +32,7 @@ from training.seq2seq.model import EncoderState, grown_step
 
 from .graphs import layout_inputs, unflatten_state
 from .manifest import read_manifest
-from .spec import GraphSpec, model_specs, per_sentence, present_names
+from .spec import SOURCE_CLASSES, GraphSpec, class_name, model_specs, per_sentence, present_names
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -215,7 +215,7 @@ def output_shapes(spec: GraphSpec, sizes: dict[str, int]) -> dict[str, tuple[int
 
 # The step's inputs that only the row layout decides (OnnxModel._layout): a step of an unchanged
 # layout gives ONNX Runtime its new tokens and positions and nothing else.
-LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", "group_rows"})
+LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", *(class_name(c, "group_rows") for c in range(SOURCE_CLASSES))})
 
 
 @dataclass
@@ -274,15 +274,16 @@ class OnnxModel:
         """As Seq2Seq.decode_step (training.seq2seq.model.grown_step over this backend's step)."""
         return grown_step(self, tokens, step, enc, cache, beam, row_sentence)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
-             cache: list) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+             enc: EncoderState | tuple, cache: list) -> torch.Tensor:
         """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step:
         log-probabilities (R, V); this step's K/V are written into `cache` in place.
         A copy: the step's outputs last only until the next step."""
         return self._step(tokens, positions, row_sentence, enc, cache)["log_probs"].clone()
 
-    def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
-                 cache: list, top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+                 enc: EncoderState | tuple, cache: list,
+                 top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """step(), plus each row's top_k best log-probabilities and tokens (R, top_k), best first
         (training.seq2seq.beam.row_top_k, from the graph's block maxima: a few blocks of each row are
         read, not the whole row). The log-probabilities are this thread's own tensor, overwritten by
@@ -290,8 +291,8 @@ class OnnxModel:
         outputs = self._step(tokens, positions, row_sentence, enc, cache)
         return outputs["log_probs"], row_top_k(outputs["log_probs"], top_k, outputs["block_max"])
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
-              cache: list) -> dict[str, torch.Tensor]:
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+              enc: EncoderState | tuple, cache: list) -> dict[str, torch.Tensor]:
         """The decoder graph's outputs. Its present K/V are bound to the cache's own memory, which its
         attention then updates in place (GroupQueryAttention with a shared buffer): the cache must be
         contiguous float32 on this backend's device, or the step's column would land in a copy. The
@@ -304,7 +305,7 @@ class OnnxModel:
         layout.outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=bound)
         return layout.outputs
 
-    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState, cache: list) -> StepLayout:
+    def _layout(self, row_sentence: torch.Tensor, enc: EncoderState | tuple, cache: list) -> StepLayout:
         """What a decoder step needs besides its tokens and positions, kept while the caller hands
         the very row_sentence, encoder state and cache objects again (the engine's batch does at
         every step in which no row joins, leaves or moves to another sentence's slot): the row

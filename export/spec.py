@@ -19,6 +19,9 @@ from training.seq2seq.beam import TOP_K_BLOCK
 from training.seq2seq.config import ModelConfig
 
 OPSET = 17  # LayerNormalization is a native op from 17 on
+# The decoder step reads its sentences' encoder states in this many length classes, each padded to
+# its own longest source (server/engine/source_slots.py says how sentences are classed).
+SOURCE_CLASSES = 2
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,20 @@ def per_sentence(cfg: ModelConfig) -> list[TensorSpec]:
     return out
 
 
+def class_inputs(cfg: ModelConfig, c: int) -> list[TensorSpec]:
+    """Length class c's inputs to the decoder step: its sentences' row groups and per_sentence
+    tensors, named and sized as its own (class_name)."""
+    renamed = lambda t: TensorSpec(class_name(c, t.name), t.dtype,  # noqa: E731
+                                   tuple(class_name(c, d) if d in ("batch", "src_len") else d for d in t.shape))
+    groups = TensorSpec("group_rows", "int64", ("batch", "group_width"))
+    return [renamed(t) for t in [groups, *per_sentence(cfg)]]
+
+
+def class_name(c: int, name: str) -> str:
+    """A per_sentence tensor's (or an axis's) name in length class c."""
+    return f"class{c}.{name}"
+
+
 def global_outputs(cfg: ModelConfig) -> list[TensorSpec]:
     """GRET's per-sentence s^M and Gs, where the model has them."""
     out = [TensorSpec("global_state", "float32", ("batch", cfg.d_model))] if cfg.gret else []
@@ -118,9 +135,8 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
               TensorSpec("positions", "int64", ("rows",))]
     if cfg.gret:  # only GRET's per-sentence s^M and Gs are gathered per row
         inputs.append(TensorSpec("row_sentence", "int64", ("rows",)))
-    inputs += [TensorSpec("row_slot", "int64", ("rows",)),
-              TensorSpec("group_rows", "int64", ("batch", "group_width"))]
-    inputs += per_sentence(cfg)
+    inputs.append(TensorSpec("row_slot", "int64", ("rows",)))
+    inputs += [t for c in range(SOURCE_CLASSES) for t in class_inputs(cfg, c)]
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]

@@ -56,3 +56,28 @@ def random_batch(cfg: ModelConfig, lengths: list[int], seed: int = 0):
         src[i, n - 1] = cfg.eos_id
         tags[i, : n - 1] = torch.randint(1, cfg.n_pos_tags, (n - 1,), generator=g)
     return src, (tags if cfg.pos_tags else None)
+
+
+def length_classes(enc, classes: list[list[int]]) -> tuple:
+    """enc's sentences in length classes (the serving engine's layout: server/engine/source_slots.py):
+    each class the given sentences, in that order, cut to the longest of them."""
+    from training.seq2seq.model import EncoderState
+
+    def one(sentences: list[int]) -> EncoderState:
+        state = enc.select(torch.tensor(sentences))
+        width = int((~state.src_pad).sum(1).max())
+        return EncoderState([(k[:, :, :width], v[:, :, :width]) for k, v in state.memory], state.src_pad[:, :width],
+                            state.global_state, state.gate_source)
+
+    return tuple(one(c) for c in classes)
+
+
+def step_case(cfg: ModelConfig, row_sentence: list[int], width: int = 6, seed: int = 0):
+    """Tokens, positions (below width) and a random cache (per layer (R, H, width, d)) for rows of
+    sentences row_sentence: the inputs of one Seq2Seq.step."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(row_sentence)
+    shape = (rows, cfg.n_heads, width, cfg.d_model // cfg.n_heads)
+    cache = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.dec_layers)]
+    return (torch.randint(4, cfg.vocab_size, (rows,), generator=g), torch.randint(0, width, (rows,), generator=g),
+            cache)

@@ -222,25 +222,28 @@ def test_steps_that_keep_the_row_layout_hand_the_backend_the_same_row_sentence()
 
 
 def test_encoder_slots_free_on_leaving_close_their_holes_and_change_no_output():
-    """Each sequence's encoder state sits in a slot of its own: a departure frees it (nothing else
-    moves), the source axis shrinks once the longest source has left, and once holes are an eighth
-    of the slots read the top slots move down; every text still gets its offline result."""
+    """Each sequence's encoder state sits in a slot of its own, in the length class of its source:
+    up to the median length (in whole steps of 8 columns), or longer. A departure frees its slot
+    (nothing else moves), a class's source axis shrinks once its longest source has left, and once
+    holes are an eighth of a class's slots read its top slots move down; every text still gets its
+    offline result."""
     model = tiny_model("gret_full")
     engine = engine_for(model)
     quick = DecodingOptions(beam=2, max_len_a=0, max_len_b=2)
     slow = DecodingOptions(beam=2, max_len_b=30)
-    srcs = sources(model, [15, 4, 5, 6, 4, 5, 6, 7, 5], seed=4)
+    srcs = sources(model, [23, 4, 5, 6, 4, 5, 6, 7, 12], seed=4)
     seqs = [make_seq(model, srcs[0], quick)] + [make_seq(model, s, quick) for s in srcs[1:6]] + \
         [make_seq(model, s, slow) for s in srcs[6:]]
     engine.submit(seqs)
     engine.iterate()
-    slots = engine.batch.sources
-    assert slots.width == 16 and slots.in_use() == 9  # the 15-piece source sets the width
+    short, long = engine.batch.sources.classes
+    assert (short.width, short.in_use()) == (8, 7)  # the median (6) is the bound: the sources up to 8 ...
+    assert (long.width, long.in_use()) == (24, 2)  # ... and the two longer ones, as wide as the longest
     while any(s.status is None for s in seqs[:6]):
         engine.iterate()
     assert len(engine.batch) == 3
-    assert slots.width == 8  # the longest source left
-    assert slots.in_use() == 3  # the three running texts were moved down into the freed slots
+    assert long.width == 16  # its longest source left
+    assert short.in_use() == 2  # the class's two running texts were moved down into the freed slots
     engine.run_until_idle()
     for seq, src in zip(seqs, srcs):
         assert seq.status == OK
@@ -270,26 +273,28 @@ def test_a_second_run_reuses_the_cache_storage_and_its_stale_columns_change_no_o
 
 
 def test_source_layouts_alternate_between_two_storages_and_their_stale_columns_change_no_output():
-    """The encoder slots' source axis grows with a long source and shrinks once it leaves; each new
+    """A length class's source axis grows with a long source and shrinks once it leaves; each new
     layout is written into the spare of two kept storages: once they have seen the largest layout,
     nothing is allocated, and what earlier sources left in unwritten columns stays masked."""
     model = tiny_model("vanilla")
     engine = engine_for(model)
-    srcs = sources(model, [15, 4, 5], seed=5)
+    srcs = sources(model, [23, 12, 4, 5], seed=5)
     quick, slow = DecodingOptions(beam=2, max_len_a=0, max_len_b=2), DecodingOptions(beam=2, max_len_b=12)
+    long = engine.batch.sources.classes[1]  # over the median: the 23 and the 12
 
     def run() -> list[list[int]]:
         seqs = [make_seq(model, srcs[0], quick)] + [make_seq(model, s, slow) for s in srcs[1:]]
         engine.submit(seqs)
         engine.run_until_idle()
-        assert engine.batch.sources.width == 8  # laid out again once the long source left
+        assert long.width == 16  # laid out again once the 23 left
         return [h.tokens for s in seqs for h in s.hypotheses]
 
     first = run()
-    kept = engine.batch.sources.storages
+    kept = long.storages
     storages = {kept.live.data_ptr(), kept.spare.data_ptr()}
     assert kept.spare.abs().sum() > 0  # the former layout's keys and values, not zeros
-    assert run() == first == [h.tokens for src, o in zip(srcs, (quick, slow, slow)) for h in offline(model, src, o)]
+    assert run() == first == [h.tokens for src, o in zip(srcs, (quick, slow, slow, slow))
+                              for h in offline(model, src, o)]
     assert {kept.live.data_ptr(), kept.spare.data_ptr()} == storages
 
 

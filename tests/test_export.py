@@ -22,8 +22,8 @@ from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export import onnx_runtime
 from export.onnx_runtime import OnnxModel, beam_search, greedy
-from export.spec import decoder_spec, encoder_spec, export_sources, model_specs
-from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
+from export.spec import SOURCE_CLASSES, decoder_spec, encoder_spec, export_sources, model_specs
+from tests.architectures import ARCHITECTURES, length_classes, perturb, random_batch, step_case, tiny_config
 from training.corpora import load_examples
 from training.data import train_sentencepiece
 from training.seq2seq import search
@@ -81,6 +81,24 @@ def test_onnx_log_probs_match_pytorch_over_steps_with_beams_and_padding(name, tm
         rows = within_sentence_shuffle(3, beam, g)
         ref_cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in ref_cache]
         cache = onnx_model.reorder(cache, rows)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_onnx_step_reads_two_length_classes_as_the_model_reads_one_padded_batch(name, tmp_path, spm_bytes):
+    """The graph's two length classes of sentences (the serving engine's layout), each padded to
+    its own longest source: every row gets what the PyTorch step gives it over one padded batch."""
+    model, onnx_model = export_tiny(name, tmp_path, spm_bytes)
+    src, tags = random_batch(model.cfg, [9, 3, 4, 8])
+    enc = onnx_model.encode(src, tags)
+    row_sentence = [3, 0, 0, 1, 2, 1, 2, 3]
+    tokens, positions, cache = step_case(model.cfg, row_sentence)
+    classed = {1: 0, 2: 1, 0: 2, 3: 3}  # short: sentences 1 and 2, long: 0 and 3
+    with torch.no_grad():
+        want = model.step(tokens, positions, torch.tensor(row_sentence), model.encode(src, tags),
+                          [(k.clone(), v.clone()) for k, v in cache])
+    got = onnx_model.step(tokens, positions, torch.tensor([classed[b] for b in row_sentence]),
+                          length_classes(enc, [[1, 2], [0, 3]]), [(k.contiguous(), v.contiguous()) for k, v in cache])
+    torch.testing.assert_close(got, want, **TOLERANCE)
 
 
 def test_rows_may_mix_beam_sizes_without_tiling_the_encoder_output(tmp_path, spm_bytes):
@@ -396,8 +414,9 @@ def test_the_step_attends_with_group_query_attention_and_copies_no_logits(tmp_pa
 
 
 def test_the_steps_cross_attention_computes_no_shapes_at_run_time(tmp_path, spm_bytes):
-    """Its reshapes are to fixed shapes and its grouping is one gather: no Shape, ConstantOfShape or
-    Concat node, each of which costs a one-text step about what a small kernel does."""
+    """Its reshapes are to fixed shapes and its grouping is one gather per length class: no Shape or
+    ConstantOfShape node, each of which costs a one-text step about what a small kernel does, and
+    one Concat per layer: the classes' outputs side by side."""
     import onnxruntime as ort
 
     model, _ = export_tiny("gret_full", tmp_path, spm_bytes)
@@ -407,8 +426,9 @@ def test_the_steps_cross_attention_computes_no_shapes_at_run_time(tmp_path, spm_
     ort.InferenceSession(str(tmp_path / "repo" / "decoder.onnx"), options, providers=["CPUExecutionProvider"])
     nodes = [n for n in onnx.load(str(tmp_path / "run.onnx")).graph.node if "/res_cross" in n.name]
     ops = Counter(n.op_type for n in nodes)
-    assert ops["MatMul"] >= model.cfg.dec_layers  # the attention is there ...
-    assert ops["Shape"] == ops["ConstantOfShape"] == ops["Concat"] == 0  # ... and no shape arithmetic
+    assert ops["MatMul"] >= SOURCE_CLASSES * model.cfg.dec_layers  # the attention of every class is there ...
+    assert ops["Shape"] == ops["ConstantOfShape"] == 0  # ... with no shape arithmetic ...
+    assert ops["Concat"] == model.cfg.dec_layers  # ... and the classes joined once per layer
 
 
 def test_the_encoders_heads_split_and_merge_without_shape_chains(tmp_path, spm_bytes):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.architectures import ARCHITECTURES, perturb, random_batch, tiny_config
+from tests.architectures import ARCHITECTURES, length_classes, perturb, random_batch, step_case, tiny_config
 from kernels.routing import capsule_routing, capsule_routing_votes, masked_mean, squash
 from training.seq2seq.layers import EncoderLayer, Packing
 from training.seq2seq.model import Seq2Seq, row_groups
@@ -91,6 +91,25 @@ def test_rows_join_their_sentences_groups_in_row_order():
     assert row_slot.tolist() == [3, 0, 0, 4, 6, 5]  # sentence * 3 + its place in the group
     with pytest.raises(IndexError):
         row_groups(torch.tensor([0, 3]), 2)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_step_over_length_classes_gives_what_one_padded_batch_gives(name):
+    """Sentences kept in length classes, each padded to its own longest source (the serving
+    engine's layout), numbered one class after another: each row reads its sentence's K/V in its
+    class and gets the log-probabilities it gets from one batch padded to the longest source."""
+    model = build(name).eval()
+    src, tags = random_batch(model.cfg, [9, 3, 4, 8])
+    enc = model.encode(src, tags)
+    row_sentence = [0, 0, 1, 2, 1, 2, 3, -1, 3]  # -1: an empty row
+    tokens, positions, cache = step_case(model.cfg, row_sentence)
+    classed = {1: 0, 2: 1, 0: 2, 3: 3, -1: -1}  # short: sentences 1 and 2, long: 0 and 3
+    with torch.no_grad():
+        one = model.step(tokens, positions, torch.tensor(row_sentence), enc, [(k.clone(), v.clone()) for k, v in cache])
+        two = model.step(tokens, positions, torch.tensor([classed[b] for b in row_sentence]),
+                         length_classes(enc, [[1, 2], [0, 3]]), cache)
+    real = torch.tensor(row_sentence) >= 0
+    torch.testing.assert_close(two[real], one[real], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca", "graph_weight_gate_half", "mvpe_pos"])

@@ -1,8 +1,8 @@
 """The running batch: every live beam of every admitted sequence as one row of one decoder step.
 
 Search state, in row order (rows of a sequence are contiguous; sequences in admission order):
-  sources   each sequence's encoder state in a slot of its own (source_slots.py; never tiled per
-            beam), enc_slot (S,) which slot
+  sources   each sequence's encoder state in a slot of its own, in its length class (source_slots.py;
+            never tiled per beam), enc_class and enc_slot (S,) which class and slot
   row_seq   (R,) which sequence (index into `seqs` and `enc_slot`) a row belongs to
   tokens    (R,) each row's last token;  positions (R,) its next target position = keys cached
   scores    (R,) cumulative log-probability;  history (R, columns): row r's tokens so far in
@@ -58,7 +58,7 @@ from training.seq2seq.beam import (NEG_INF, Candidates, Hypothesis, candidates_k
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
-from .source_slots import SourceSlots, host
+from .source_slots import SourceClasses, host
 from .storage import TwoStorages
 
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
@@ -81,8 +81,8 @@ class Batch:
         self.seqs: list[Sequence] = []
         self.counts, self.beams, self.limits, self.held = (np.empty(0, np.int64) for _ in range(4))
         self.constrained = 0  # sequences with min_length, no_repeat_ngram or a prefix: _constrain's work
-        self.sources = SourceSlots(device)
-        self.enc_slot = np.empty(0, np.int64)
+        self.sources = SourceClasses(device)
+        self.enc_class, self.enc_slot = np.empty(0, np.int64), np.empty(0, np.int64)
         self.row_seq = np.empty(0, np.int64)
         self.tokens = np.empty(0, np.int64)
         self.positions = np.empty(0, np.int64)
@@ -121,17 +121,20 @@ class Batch:
         self.limits = np.concatenate([self.limits, np.array([s.max_len for s in seqs], np.int64)])
         self.held = np.concatenate([self.held, np.zeros(n, np.int64)])
         self.constrained += sum(map(constrained, seqs))
-        self.enc_slot = np.concatenate([self.enc_slot, self.sources.put(enc)])
+        klass, slots = self.sources.put(enc)
+        self.enc_class, self.enc_slot = np.concatenate([self.enc_class, klass]), np.concatenate([self.enc_slot, slots])
 
     # ---- one step --------------------------------------------------------------------------
     def step_inputs(self) -> tuple:
         """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, enc, cache,
         top_k); an empty slot has row_sentence -1 and position 0. A row's sentence is its
-        sequence's encoder slot; top_k is the candidates a row needs: twice the widest beam. The
-        cache has a column free at every row's position, where the step writes."""
+        sequence's encoder slot, counted over the length classes (SourceClasses.sentence); top_k is
+        the candidates a row needs: twice the widest beam. The cache has a column free at every
+        row's position, where the step writes."""
         last = self.row_sentence.numpy() if self.row_sentence is not None else np.empty(0, np.int64)
+        sentence = self.sources.sentence(self.enc_class, self.enc_slot)
         tokens, positions, row_sentence, same = slot_inputs(self.slot, self.tokens, self.positions,
-                                                            self.enc_slot[self.row_seq], last)
+                                                            sentence[self.row_seq], last)
         self._reserve(int(positions.max()) + 1, 0)
         n = len(tokens)
         if not same:
@@ -249,11 +252,9 @@ class Batch:
             self.constrained -= sum(map(constrained, leaving))
             gone = np.ones(len(self.enc_slot), bool)
             gone[alive] = False
-            self.sources.free(self.enc_slot[gone])
-            self.enc_slot = self.enc_slot[alive]
-            moved = self.sources.compact()
-            if moved is not None:
-                self.enc_slot = moved[self.enc_slot]
+            self.sources.free(self.enc_class[gone], self.enc_slot[gone])
+            self.enc_class = self.enc_class[alive]
+            self.enc_slot = self.sources.compact(self.enc_class, self.enc_slot[alive])
         if len(alive):  # else the storage stays as it is for the next sequences
             self._close_up()
 

@@ -1,12 +1,13 @@
-"""The running batch's encoder outputs, one slot per sequence, in storage that outlives them.
+"""The running batch's encoder outputs, one slot per sequence, in storage that outlives them, in
+length classes (SourceClasses: short and long sources apart, each class a SourceSlots).
 
 A joining sequence's encoder state (cross-attention K/V per decoder layer, the source padding mask,
 GRET's s^M and Gs) is written once into a free slot; a leaving one frees its slot. Nothing is
 copied when others join or leave, where stacking and selecting per event copied the whole batch's
 state at every admission and every finished sequence (several times a step under steady load).
 
-The decoder step reads slots 0..n-1 (n: the highest in use + 1) as its per-sentence tensors, so
-rows say which slot they read. A free slot among them is computed and read by no row; its mask
+The decoder step reads each class's slots 0..n-1 (n: the highest in use + 1) as its per-sentence
+tensors, so rows say which slot they read. A free slot among them is computed and read by no row; its mask
 keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
 grows in steps of COLUMNS to the longest source and shrinks once the longest leaves; the slots
 grow by doubling, and the top slots are moved down into holes once an eighth of them are empty.
@@ -24,11 +25,83 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from export.spec import SOURCE_CLASSES
 from training.seq2seq.model import EncoderState
 
 from .storage import TwoStorages
 
 COLUMNS = 8  # the source axis grows and shrinks in steps of this many columns
+RECENT = 256  # the class bound is the median length of this many of the latest sources
+
+
+class SourceClasses:
+    """The encoder slots in length classes: a source up to the bound (the median length of the
+    latest RECENT sources, in whole COLUMNS) goes to class 0, a longer one to class 1, each a
+    SourceSlots with its own width (the longest source it holds). The decoder step attends over
+    each class apart (Seq2Seq.step), so a short sentence's cross-attention reads its class's
+    columns, not those of the longest source in the batch. Ad hoc, with 32 Multi30K sentences in
+    flight: one width read 35.4 columns per sentence for 16.0 pieces, two classes 23.4 (2000
+    draws); a 28-sentence int8 step ran 5% faster, the server under 64 callers 1.085x (median of 6
+    alternating rounds). A sequence keeps its class and slot for life; its sentence in a step is
+    its slot counted on from the classes before its own (sentence())."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
+        self.classes = [SourceSlots(device) for _ in range(SOURCE_CLASSES)]
+        self.recent = np.zeros(0, np.int64)  # the latest sources' lengths, oldest first
+        self.views: tuple[EncoderState, ...] = ()  # state()'s last
+
+    @property
+    def numpy_views(self) -> bool:
+        return self.classes[0].numpy_views
+
+    @numpy_views.setter
+    def numpy_views(self, value: bool) -> None:
+        for c in self.classes:
+            c.numpy_views = value
+
+    def put(self, enc: EncoderState) -> tuple[np.ndarray, np.ndarray]:
+        """Write a batch of new sentences' states (enc: one entry each) into their classes' free
+        slots; returns (each one's class, its slot)."""
+        src_pad = host(enc.src_pad)
+        lengths = src_pad.shape[1] - src_pad.sum(1)
+        self.recent = np.concatenate([self.recent, lengths])[-RECENT:]
+        klass = (lengths > whole_steps(int(np.median(self.recent)))).astype(np.int64)
+        slots = np.zeros(len(lengths), np.int64)
+        for c, store in enumerate(self.classes):
+            sentences = np.flatnonzero(klass == c)
+            if len(sentences):
+                slots[sentences] = store.put(enc, sentences)
+        return klass, slots
+
+    def free(self, klass: np.ndarray, slots: np.ndarray) -> None:
+        for c, store in enumerate(self.classes):
+            if (klass == c).any():
+                store.free(slots[klass == c])
+
+    def compact(self, klass: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """SourceSlots.compact in every class; returns the sequences' slots (class klass, slot slots)
+        where they are now."""
+        slots = slots.copy()
+        for c, store in enumerate(self.classes):
+            moved = store.compact()
+            if moved is not None:
+                mine = klass == c
+                slots[mine] = moved[slots[mine]]
+        return slots
+
+    def sentence(self, klass: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Each slot's sentence in the step: the classes' slots 0..n-1 one class after another."""
+        offsets = np.cumsum([0] + [c.in_use() for c in self.classes[:-1]])
+        return offsets[klass] + slots
+
+    def state(self) -> tuple[EncoderState, ...]:
+        """Each class's state (SourceSlots.state), as one tuple object while theirs stay; a class no
+        sentence has joined yet is left out (the backend stands in an empty one)."""
+        states = tuple(c.state() for c in self.classes if c.memory is not None)
+        if len(states) != len(self.views) or any(a is not b for a, b in zip(states, self.views)):
+            self.views = states
+        return self.views
 
 
 class SourceSlots:
@@ -51,11 +124,12 @@ class SourceSlots:
     def width(self) -> int:
         return self.src_pad.shape[1]
 
-    def put(self, enc: EncoderState) -> np.ndarray:
-        """Write a batch of new sentences' states (enc: one entry each) into free slots; returns them."""
-        n, width = enc.src_pad.shape
-        src_pad = host(enc.src_pad)
-        lengths = width - src_pad.sum(1)
+    def put(self, enc: EncoderState, sentences: np.ndarray) -> np.ndarray:
+        """Write some new sentences' states (enc's `sentences`) into free slots; returns them."""
+        n = len(sentences)
+        src_pad = host(enc.src_pad)[sentences]
+        lengths = src_pad.shape[1] - src_pad.sum(1)
+        width = max(int(lengths.max()), 1)  # the columns past it are padding in all of them
         free = np.flatnonzero(self.lengths == 0)[:n]
         if len(free) < n:
             grown = max(2 * self.capacity, self.capacity + n - len(free), 8)
@@ -65,13 +139,13 @@ class SourceSlots:
             self._layout(self.capacity, whole_steps(width), enc)
         memory = self._writable(self.memory)
         for plane, t in enumerate(t for kv in enc.memory for t in kv):
-            memory[plane, free, :, :width] = self._incoming(t)
+            memory[plane, free, :, :width] = self._incoming(t, sentences)[:, :, :width]
         slot_pad = self._writable(self.src_pad)
         slot_pad[free] = True
-        slot_pad[free, :width] = self._incoming(enc.src_pad)
+        slot_pad[free, :width] = self._incoming(enc.src_pad, sentences)[:, :width]
         for name in ("global_state", "gate_source"):
             if getattr(enc, name) is not None:
-                self._writable(getattr(self, name))[free] = self._incoming(getattr(enc, name))
+                self._writable(getattr(self, name))[free] = self._incoming(getattr(enc, name), sentences)
         self.lengths[free] = np.maximum(lengths, 1)  # a slot in use never reads as free
         return free
 
@@ -158,9 +232,11 @@ class SourceSlots:
         on a GPU (NumPy index arrays index either)."""
         return t.numpy() if self.numpy_views else t
 
-    def _incoming(self, t: torch.Tensor) -> np.ndarray | torch.Tensor:
-        """A new state's tensor as _writable's targets take it."""
-        return host(t) if self.numpy_views else t.to(self.device)
+    def _incoming(self, t: torch.Tensor, sentences: np.ndarray) -> np.ndarray | torch.Tensor:
+        """Some sentences of a new state's tensor, as _writable's targets take them."""
+        if self.numpy_views:
+            return host(t)[sentences]
+        return t.to(self.device)[torch.from_numpy(sentences).to(self.device)]
 
 
 def host(t: torch.Tensor) -> np.ndarray:

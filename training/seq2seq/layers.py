@@ -118,23 +118,34 @@ class MultiHeadAttention(nn.Module):
                                                               self.n_heads)
         return self.o(out), (present_k, present_v)
 
-    def step_cross(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, group_rows: torch.Tensor,
-                   row_slot: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    def step_cross(self, x: torch.Tensor, memories: list[KV], src_pads: list[torch.Tensor],
+                   group_rows: tuple[torch.Tensor, ...], row_slot: torch.Tensor, kernel: bool = False) -> torch.Tensor:
         """Cross-attention of rows x (R, D) over per-sentence K/V (B, H, S, d), grouped by sentence
         (row_groups): queries (R, D) -> per head (R + 1, H, d), row R a zero query (padding) ->
         groups (B, W, H, d), one gather -> attention per sentence, reading its K/V once -> back to
         rows (R, D). Copying K/V per row instead would move rows x source x D floats per layer and
-        step; the gather moves R x D. Every reshape is to a fixed shape (-1 and constants), so the
-        exported step computes no shapes at run time: a one-text step is mostly such fixed costs.
-        kernel=True: the Triton kernel on CUDA (the W slots of a group are its `beam`)."""
-        q = F.pad(self.q(x).view(-1, self.n_heads, self.d_head), (0, 0, 0, 0, 0, 1))[group_rows]  # (B, W, H, d)
+        step; the gather moves R x D. The sentences come in length classes (memories, src_pads and
+        group_rows: one each), each padded to its own longest source and attended on its own, their
+        groups one class after another (row_slot indexes them so): one width for all would read
+        the columns of the longest source for every sentence. Every reshape is to a fixed shape
+        (-1 and constants), so the exported step computes no shapes at run time: a one-text step is
+        mostly such fixed costs. kernel=True: the Triton kernel on CUDA (the W slots of a group are
+        its `beam`)."""
+        q = F.pad(self.q(x).view(-1, self.n_heads, self.d_head), (0, 0, 0, 0, 0, 1))  # (R + 1, H, d)
+        outs = [self._grouped(q[rows], memory, pad, kernel) for memory, pad, rows in zip(memories, src_pads, group_rows)
+                if not kernel or len(rows)]  # (the kernel launches no empty grid)
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.o(out.index_select(0, row_slot))
+
+    def _grouped(self, q: torch.Tensor, memory: KV, src_pad: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """Groups' queries (B, W, H, d) over their sentences' K/V (B, H, S, d) -> (B * W, H * d)."""
         if kernel:
-            out = grouped_cross_attention(q.flatten(0, 1)[:, :, None], *memory, src_pad, group_rows.shape[1])
+            out = grouped_cross_attention(q.flatten(0, 1)[:, :, None], *memory, src_pad, q.shape[1])
         else:  # spelled out: scaled_dot_product_attention's exported form scales and transposes all of K
             scores = (q.transpose(1, 2) * self.d_head ** -0.5) @ memory[0].transpose(-1, -2)
             out = scores.masked_fill(src_pad[:, None, None, :], float("-inf")).softmax(-1) @ memory[1]
             out = out.transpose(1, 2)  # (B, W, H, d)
-        return self.o(out.reshape(-1, self.n_heads * self.d_head).index_select(0, row_slot))
+        return out.reshape(-1, self.n_heads * self.d_head)
 
 
 class Packing:
@@ -239,12 +250,14 @@ class DecoderLayer(nn.Module):
             self.cross_attn.split(self.cross_attn.q(h)), *memory, key_pad=src_pad, kernel=True))
         return self.res_ffn(x, self.ffn)
 
-    def step(self, x: torch.Tensor, memory: KV, src_pad: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor],
-             past: KV, lengths: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, KV]:
+    def step(self, x: torch.Tensor, memories: list[KV], src_pads: list[torch.Tensor],
+             groups: tuple[tuple[torch.Tensor, ...], torch.Tensor], past: KV, lengths: torch.Tensor,
+             kernel: bool = False) -> tuple[torch.Tensor, KV]:
         """The inference form of forward(): one new position per row x (R, D), each row at its own
         position lengths[r] with its own cache (past K/V (R, H, T, d), written in place: step_self),
-        rows grouped by sentence (groups = (group_rows, row_slot)) for the cross-attention. Returns
-        (R, D) and the cache. Training's search, the export and the serving engine all run this."""
+        rows grouped by sentence (groups = (group_rows per length class, row_slot)) for the
+        cross-attention over each class's K/V (memories) and padding (src_pads). Returns (R, D) and
+        the cache. Training's search, the export and the serving engine all run this."""
         present = []
 
         def self_attention(h):
@@ -253,5 +266,5 @@ class DecoderLayer(nn.Module):
             return out
 
         x = self.res_self(x, self_attention)
-        x = self.res_cross(x, lambda h: self.cross_attn.step_cross(h, memory, src_pad, *groups, kernel))
+        x = self.res_cross(x, lambda h: self.cross_attn.step_cross(h, memories, src_pads, *groups, kernel))
         return self.res_ffn(x, self.ffn), present[0]

@@ -168,30 +168,40 @@ class Seq2Seq(nn.Module):
             x = layer(x, memory, enc.src_pad)
         return self.output(x, enc, beam=1)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor, enc: EncoderState,
-             cache: list[KV], kernels: bool = True) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
+             enc: EncoderState | tuple[EncoderState, ...], cache: list[KV], kernels: bool = True) -> torch.Tensor:
         """One decoder step for rows at their own positions: row r holds token tokens[r] at
         position positions[r], reads sentence row_sentence[r] of enc (-1: an empty row, computed
         and read by nobody) and its own cached keys and values (cache: per layer (R, H, T, d),
         T > positions[r]; the row's are columns 0..positions[r] - 1). This step's K/V are written
-        into the cache in place, at column positions[r]. Returns log-probabilities (R, V)."""
-        sentence, row_slot, group_rows = row_groups(row_sentence, enc.src_pad.shape[0])
-        return self.step_rows(tokens, positions, sentence, group_rows, row_slot, enc, cache, kernels)[0]
+        into the cache in place, at column positions[r]. Returns log-probabilities (R, V).
+        enc may be a tuple of states, length classes (each padded to its own longest source, as
+        the serving engine keeps them), whose sentences row_sentence numbers one class after
+        another: a row's cross-attention reads only its class's columns."""
+        classes = enc if isinstance(enc, tuple) else (enc,)
+        sizes = [c.src_pad.shape[0] for c in classes]
+        sentence, row_slot, group_rows = row_groups(row_sentence, sum(sizes))
+        return self.step_rows(tokens, positions, sentence, group_rows.split(sizes), row_slot, classes, cache,
+                              kernels)[0]
 
     def step_rows(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor | None,
-                  group_rows: torch.Tensor, row_slot: torch.Tensor, enc: EncoderState, cache: list[KV],
-                  kernels: bool = False) -> tuple[torch.Tensor, list[KV]]:
-        """step() with the row grouping given (row_groups()): the form export traces (kernels=False;
-        row_sentence may be None when no per-sentence tensor is read per row, i.e. without GRET).
-        Also returns the cache per layer: the same memory, which tracing turns into the graph's
-        present K/V."""
-        per_row = lambda t: None if t is None else t.index_select(0, row_sentence)  # noqa: E731
+                  group_rows: tuple[torch.Tensor, ...], row_slot: torch.Tensor, classes: tuple[EncoderState, ...],
+                  cache: list[KV], kernels: bool = False) -> tuple[torch.Tensor, list[KV]]:
+        """step() with the row grouping given (row_groups(), its group_rows split by class): the form
+        export traces (kernels=False; row_sentence may be None when no per-sentence tensor is read
+        per row, i.e. without GRET). Also returns the cache per layer: the same memory, which
+        tracing turns into the graph's present K/V."""
+        def per_row(name: str) -> torch.Tensor | None:  # a per-sentence tensor of every class, per row
+            tensors = [getattr(c, name) for c in classes]
+            return None if tensors[0] is None else torch.cat(tensors).index_select(0, row_sentence)
+
         x = self.embed_tokens(tokens, positions)  # (R, D)
-        present = []
-        for layer, memory, past in zip(self.decoder, enc.memory, cache):
-            x, kv = layer.step(x, memory, enc.src_pad, (group_rows, row_slot), past, positions, kernels)
+        pads, present = [c.src_pad for c in classes], []
+        for i, (layer, past) in enumerate(zip(self.decoder, cache)):
+            memories = [c.memory[i] for c in classes]
+            x, kv = layer.step(x, memories, pads, (group_rows, row_slot), past, positions, kernels)
             present.append(kv)
-        rows = EncoderState([], enc.src_pad, per_row(enc.global_state), per_row(enc.gate_source))
+        rows = EncoderState([], pads[0], per_row("global_state"), per_row("gate_source"))
         # flatten(1), not [:, 0] or squeeze(1), and no .float() on float32: exported, each copies the (R, V)
         # logits (Gather; an If where the shapes past GroupQueryAttention are not inferred; Cast)
         logits = self.output(x[:, None], rows, 1, kernels).flatten(1)
