@@ -2,8 +2,8 @@
 
     python -m export --checkpoint runs/X --out models/NAME [--format onnx] [--quantize int8]
 
-models/NAME/ holds model.json (manifest.py), spm.model, encoder.onnx and decoder.onnx (and
-global.onnx for capsule models), and with --quantize int8 an int8 twin of each (quantize.py).
+models/NAME/ holds model.json (manifest.py), spm.model, encoder.onnx, decoder.onnx and decoder2.onnx
+(and global.onnx for capsule models), and with --quantize int8 an int8 twin of each (quantize.py).
 
 The graphs (names and axes declared in spec.py; R rows = the beams of all sentences, any mix):
   encoder.onnx  src_ids (batch, src_len) int64 [, src_tags (batch, src_len) int64 for POS models]
@@ -21,6 +21,9 @@ The graphs (names and axes declared in spec.py; R rows = the beams of all senten
                 GroupQueryAttention; bound to the past's own memory, the cache is updated in place),
                 block_max (R, V / 64): the maxima of 64-column blocks of log_probs, from which the
                 runtime picks each row's best tokens for the beam search (training.seq2seq.beam.row_top_k)
+  decoder2.onnx the same step over sentences in two length classes (the serving engine's encoder
+                slots: server/engine/source_slots.py), each class padded to its own longest source:
+                class 1's group_rows and encoder outputs are named class1.NAME
 
 Modules: spec.py (what the graphs hold), graphs.py (the modules that are traced: the encoder pass,
 the global state after routing and the model's own decoder step, Seq2Seq.step_rows),

@@ -1,8 +1,8 @@
 """python -m export --checkpoint DIR --out models/NAME [--format onnx|ct2] [--quantize int8]
 
 Writes a model repository from a checkpoint directory: model.json, spm.model and
-  --format onnx (default, every architecture): encoder.onnx, decoder.onnx (and global.onnx for
-                capsule models); with --quantize int8 also an int8 twin of each, NAME.int8.onnx
+  --format onnx (default, every architecture): encoder.onnx, decoder.onnx, decoder2.onnx (and
+                global.onnx for capsule models); with --quantize int8 also an int8 twin of each, NAME.int8.onnx
                 (ONNX Runtime dynamic quantization)
   --format ct2  (CTranslate2; vanilla and mvPE models only): ct2/ (model.bin, config.json,
                 shared_vocabulary.json); with --quantize int8 also ct2.int8/, whose weights

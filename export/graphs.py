@@ -17,7 +17,7 @@ from kernels.routing import capsule_votes
 from training.seq2seq.beam import block_maxima
 from training.seq2seq.model import EncoderState, Seq2Seq, row_groups
 
-from .spec import SOURCE_CLASSES, class_name, cross_names, decoder_spec, past_names, per_sentence
+from .spec import class_name, cross_names, decoder_spec, past_names, per_sentence
 
 
 class EncoderGraph(nn.Module):
@@ -59,24 +59,25 @@ class GlobalGraph(nn.Module):
 
 
 class DecoderGraph(nn.Module):
-    """One step: the inputs of decoder_spec (tokens, positions, [row_sentence], row_slot, per length
-    class its group_rows and per-sentence tensors, past K/V per layer), positionally in spec order ->
+    """One step over `classes` length classes of sentences: the inputs of decoder_spec (tokens,
+    positions, [row_sentence], row_slot, per class its group_rows and per-sentence tensors, past
+    K/V per layer), positionally in spec order ->
     log_probs (R, V), the past K/V per layer with this step's column written (present, (R, H, T, d_h)),
     the maxima of log_probs' blocks (training.seq2seq.beam.block_maxima, for the host's top-k):
     Seq2Seq.step_rows, the model's own step, in plain torch ops (kernels=False) so that tracing
     follows it."""
 
-    def __init__(self, model: Seq2Seq):
+    def __init__(self, model: Seq2Seq, classes: int = 1):
         super().__init__()
-        self.model = model
-        self.input_names = decoder_spec(model.cfg).input_names()
+        self.model, self.classes = model, classes
+        self.input_names = decoder_spec(model.cfg, classes).input_names()
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.model
         named = dict(zip(self.input_names, inputs))
         classes = tuple(unflatten_state(m.cfg, [named[class_name(c, t.name)] for t in per_sentence(m.cfg)])
-                        for c in range(SOURCE_CLASSES))
-        groups = tuple(named[class_name(c, "group_rows")] for c in range(SOURCE_CLASSES))
+                        for c in range(self.classes))
+        groups = tuple(named[class_name(c, "group_rows")] for c in range(self.classes))
         past = [tuple(named[n] for n in past_names(i)) for i in range(m.cfg.dec_layers)]
         log_probs, present = m.step_rows(named["tokens"], named["positions"], named.get("row_sentence"),
                                          groups, named["row_slot"], classes, past)
@@ -104,9 +105,8 @@ def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState | tuple[EncoderS
                   cache: list) -> dict[str, torch.Tensor]:
     """The step's inputs other than its tokens and positions: what the rows' layout decides. A row
     whose row_sentence is -1 is an empty slot of the caller's cache: computed, in no sentence's group.
-    enc: one state, or up to SOURCE_CLASSES length classes (Seq2Seq.step); the classes it lacks are
-    empty (no sentence; a step costs them a few empty ops)."""
-    classes = source_classes(enc)
+    enc: one state, or a tuple of length classes (Seq2Seq.step), for the decoder graph of as many."""
+    classes = enc if isinstance(enc, tuple) else (enc,)
     sizes = [c.src_pad.shape[0] for c in classes]
     sentence, row_slot, group_rows = row_groups(row_sentence, sum(sizes))
     inputs = {"row_sentence": sentence, "row_slot": row_slot}
@@ -116,18 +116,6 @@ def layout_inputs(row_sentence: torch.Tensor, enc: EncoderState | tuple[EncoderS
     for i, (k, v) in enumerate(cache):
         inputs |= dict(zip(past_names(i), (k, v)))
     return inputs
-
-
-def source_classes(enc: EncoderState | tuple[EncoderState, ...]) -> tuple[EncoderState, ...]:
-    """SOURCE_CLASSES states: enc's, then empty ones (no sentences, one column)."""
-    classes = enc if isinstance(enc, tuple) else (enc,)
-    if len(classes) > SOURCE_CLASSES:
-        raise ValueError(f"{len(classes)} length classes; the decoder step takes at most {SOURCE_CLASSES}")
-    none = lambda t: None if t is None else t[:0]  # noqa: E731
-    first = classes[0]
-    empty = EncoderState([(k[:0, :, :1], v[:0, :, :1]) for k, v in first.memory], first.src_pad[:0, :1],
-                         none(first.global_state), none(first.gate_source))
-    return classes + (empty,) * (SOURCE_CLASSES - len(classes))
 
 
 def flatten_state(enc: EncoderState) -> tuple[torch.Tensor, ...]:

@@ -17,7 +17,7 @@ import torch
 from training.seq2seq.model import EncoderState, Seq2Seq
 
 from .graphs import DecoderGraph, EncoderGraph, GlobalGraph, decoder_inputs
-from .spec import OPSET, GraphSpec, decoder_spec, model_specs, unclaimed_weights
+from .spec import OPSET, SOURCE_CLASSES, GraphSpec, decoder_name, decoder_spec, model_specs, unclaimed_weights
 
 ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT, "bool": onnx.TensorProto.BOOL}
 
@@ -25,7 +25,7 @@ ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT
 # another or specialised to a constant. The decoder's sample has SAMPLE_ROWS rows in groups of at
 # most 2 over two length classes of sentences (SAMPLE_CLASSES: sentences x columns each).
 SAMPLE_BATCH, SAMPLE_SRC_LEN, SAMPLE_ROWS, SAMPLE_PAST, SAMPLE_WIDTH = 2, 7, 8, 4, 6
-SAMPLE_CLASSES = ((3, 5), (4, SAMPLE_SRC_LEN))
+SAMPLE_CLASSES = ((3, 5), (4, SAMPLE_SRC_LEN))  # (the one-class graph's sample: all of them, padded)
 
 
 class ExportError(ValueError):
@@ -50,15 +50,17 @@ def sample_capsules(model: Seq2Seq) -> torch.Tensor:
     return torch.randn(groups, cfg.capsules, cfg.capsule_dim, generator=g) * 0.1
 
 
-def sample_step(model: Seq2Seq) -> tuple[torch.Tensor, ...]:
+def sample_step(model: Seq2Seq, classes: int) -> tuple[torch.Tensor, ...]:
     cfg = model.cfg
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     tokens = torch.full((SAMPLE_ROWS,), cfg.bos_id)
     row_sentence = torch.tensor([0, 1, 1, 2, 3, 4, 5, 6])  # unequal beams: nothing may assume rows = batch * beam
     positions = torch.tensor([SAMPLE_PAST, SAMPLE_PAST, 1, 0, 2, 3, 1, 0])  # rows that joined at different steps
     past = [torch.randn(SAMPLE_ROWS, heads, SAMPLE_WIDTH, d_head) for _ in range(2 * cfg.dec_layers)]  # room to spare
-    inputs = decoder_inputs(tokens, positions, row_sentence, sample_classes(model), list(zip(past[::2], past[1::2])))
-    return tuple(inputs[name] for name in decoder_spec(cfg).input_names())
+    states = sample_classes(model)
+    states = states if classes == len(states) else (EncoderState.stack(list(states)),)  # one class: all, padded
+    inputs = decoder_inputs(tokens, positions, row_sentence, states, list(zip(past[::2], past[1::2])))
+    return tuple(inputs[name] for name in decoder_spec(cfg, classes).input_names())
 
 
 def sample_classes(model: Seq2Seq) -> tuple[EncoderState, ...]:
@@ -139,7 +141,9 @@ def export_onnx(model: Seq2Seq, directory: Path) -> dict[str, Path]:
     _export(EncoderGraph(model), src, specs["encoder"], paths["encoder"])
     if "global" in specs:
         _export(GlobalGraph(model), (sample_capsules(model),), specs["global"], paths["global"])
-    _export(DecoderGraph(model), sample_step(model), specs["decoder"], paths["decoder"])
+    for classes in range(1, SOURCE_CLASSES + 1):
+        name = decoder_name(classes)
+        _export(DecoderGraph(model, classes), sample_step(model, classes), specs[name], paths[name])
     for name, spec in specs.items():
         declare_uninferred(paths[name], spec)
         check_graph(paths[name], spec)

@@ -32,7 +32,7 @@ from training.seq2seq.model import EncoderState, grown_step
 
 from .graphs import layout_inputs, unflatten_state
 from .manifest import read_manifest
-from .spec import SOURCE_CLASSES, GraphSpec, class_name, model_specs, per_sentence, present_names
+from .spec import SOURCE_CLASSES, GraphSpec, class_name, decoder_name, model_specs, per_sentence, present_names
 
 NUMPY_TYPES = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
 TORCH_TYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -215,12 +215,13 @@ def output_shapes(spec: GraphSpec, sizes: dict[str, int]) -> dict[str, tuple[int
 
 # The step's inputs that only the row layout decides (OnnxModel._layout): a step of an unchanged
 # layout gives ONNX Runtime its new tokens and positions and nothing else.
-LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot", *(class_name(c, "group_rows") for c in range(SOURCE_CLASSES))})
+LAYOUT_INPUTS = frozenset({"row_sentence", "row_slot"} | {class_name(c, "group_rows") for c in range(SOURCE_CLASSES)})
 
 
 @dataclass
 class StepLayout:
     key: tuple  # (row_sentence, enc, cache): the caller's objects, compared by identity
+    graph: OnnxGraph  # the decoder graph of as many length classes as enc has
     inputs: dict[str, torch.Tensor]  # every decoder input but tokens and positions
     shapes: dict[str, tuple[int, ...]]  # the outputs'
     present: dict[str, torch.Tensor]  # the cache, where the step writes its column
@@ -228,7 +229,8 @@ class StepLayout:
 
 
 class OnnxModel:
-    """encode / decode_step / reorder over encoder.onnx, [global.onnx,] decoder.onnx (or their int8 twins)."""
+    """encode / decode_step / reorder over encoder.onnx, [global.onnx,] decoder.onnx and decoder2.onnx
+    (the step over one and over two length classes of sentences), or their int8 twins."""
 
     def __init__(self, directory: Path, precision: str = "fp32", device: str | None = None, threads: int = 1,
                  verify: bool = True):
@@ -245,6 +247,8 @@ class OnnxModel:
         self.graphs = {spec.name: OnnxGraph(directory / files[spec.name], spec, self.device, threads)
                        for spec in model_specs(self.cfg)}
         self.encoder, self.decoder = self.graphs["encoder"], self.graphs["decoder"]
+        self.decoders = {c: self.graphs[decoder_name(c)] for c in range(1, SOURCE_CLASSES + 1)}  # by length classes
+        self.local = threading.local()  # this thread's last StepLayout, as its bindings are its own
         self.global_graph = self.graphs.get("global")  # capsule models: s^M after the host's routing
         self.state_names = [t.name for t in per_sentence(self.cfg)]  # what encode gives, in unflatten_state's order
         self.n_heads, self.d_head = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
@@ -298,11 +302,11 @@ class OnnxModel:
         contiguous float32 on this backend's device, or the step's column would land in a copy. The
         outputs are this thread's own tensors, overwritten by its next step (OnnxGraph.run's `reuse`)."""
         layout = self._layout(row_sentence, enc, cache)
-        if layout.outputs is not None and self.decoder.rerun({"tokens": tokens, "positions": positions}):
+        if layout.outputs is not None and layout.graph.rerun({"tokens": tokens, "positions": positions}):
             return layout.outputs  # the layout's own binding, only its tokens and positions new
         inputs = dict(layout.inputs, tokens=tokens, positions=positions)
         bound = LAYOUT_INPUTS if layout.outputs is not None else frozenset()  # by a run of this layout
-        layout.outputs = self.decoder.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=bound)
+        layout.outputs = layout.graph.run(inputs, layout.shapes, out=layout.present, reuse=True, unchanged=bound)
         return layout.outputs
 
     def _layout(self, row_sentence: torch.Tensor, enc: EncoderState | tuple, cache: list) -> StepLayout:
@@ -310,11 +314,15 @@ class OnnxModel:
         the very row_sentence, encoder state and cache objects again (the engine's batch does at
         every step in which no row joins, leaves or moves to another sentence's slot): the row
         groups are not grouped again, and OnnxGraph.run neither copies nor binds them. This
-        thread's own, as the binding is."""
+        thread's own, as the binding is. The graph is the decoder of as many length classes as enc
+        holds (one state: one class)."""
         key = (row_sentence, enc, cache)
-        last = getattr(self.decoder.local, "layout", None)
+        last = getattr(self.local, "layout", None)
         if last is not None and all(a is b for a, b in zip(last.key, key)):
             return last
+        graph = self.decoders.get(len(enc) if isinstance(enc, tuple) else 1)
+        if graph is None:
+            raise ValueError(f"{len(enc)} length classes; the decoder graphs take 1 to {SOURCE_CLASSES}")
         for t in (t for kv in cache for t in kv):
             if not t.is_contiguous() or t.dtype != torch.float32 or t.device != self.device:
                 raise ValueError(f"the cache must be contiguous float32 on {self.device}, got {t.dtype} on "
@@ -323,10 +331,10 @@ class OnnxModel:
         rows = row_sentence.shape[0]
         shapes = self.step_shapes.get(rows)
         if shapes is None:  # a few dozen distinct row counts: worked out once each
-            shapes = self.step_shapes[rows] = output_shapes(self.decoder.spec, {"rows": rows})
+            shapes = self.step_shapes[rows] = output_shapes(graph.spec, {"rows": rows})  # (every decoder's)
         present = {n: t for i, kv in enumerate(cache) for n, t in zip(present_names(i), kv)}
-        self.decoder.local.layout = StepLayout(key, inputs, shapes, present)
-        return self.decoder.local.layout
+        self.local.layout = StepLayout(key, graph, inputs, shapes, present)
+        return self.local.layout
 
     @staticmethod
     def reorder(cache: list, rows: torch.Tensor) -> list:

@@ -3,8 +3,8 @@ backend's files. The repository is assembled in a temporary folder beside the ta
 into place at the end, so a failed export never leaves a half-written repository.
 
 Backends:
-  onnx  encoder.onnx + decoder.onnx, + global.onnx for capsule models (each + NAME.int8.onnx with
-        --quantize int8)
+  onnx  encoder.onnx + decoder.onnx + decoder2.onnx (the step over two length classes), + global.onnx
+        for capsule models (each + NAME.int8.onnx with --quantize int8)
   ct2   ct2/ (model.bin, config.json, shared_vocabulary.json), + ct2.int8/ with --quantize int8:
         a second CT2 folder whose weights the converter stored as int8, so the file that was
         measured is the file that is served and the fp32 folder stays there as the reference.

@@ -19,8 +19,9 @@ from training.seq2seq.beam import TOP_K_BLOCK
 from training.seq2seq.config import ModelConfig
 
 OPSET = 17  # LayerNormalization is a native op from 17 on
-# The decoder step reads its sentences' encoder states in this many length classes, each padded to
-# its own longest source (server/engine/source_slots.py says how sentences are classed).
+# The decoder step reads its sentences' encoder states in up to this many length classes, each
+# padded to its own longest source (server/engine/source_slots.py says how sentences are classed):
+# one graph per class count, so a step over one class pays for no empty other.
 SOURCE_CLASSES = 2
 
 
@@ -91,8 +92,8 @@ def class_inputs(cfg: ModelConfig, c: int) -> list[TensorSpec]:
 
 
 def class_name(c: int, name: str) -> str:
-    """A per_sentence tensor's (or an axis's) name in length class c."""
-    return f"class{c}.{name}"
+    """A per_sentence tensor's (or an axis's) name in length class c: class 0's are the plain names."""
+    return f"class{c}.{name}" if c else name
 
 
 def global_outputs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -129,14 +130,19 @@ def global_spec(cfg: ModelConfig) -> GraphSpec:
     return GraphSpec("global", inputs, tuple(global_outputs(cfg)), ("global_state.", "context_gate.w_s."))
 
 
-def decoder_spec(cfg: ModelConfig) -> GraphSpec:
+def decoder_name(classes: int) -> str:
+    """The decoder step's graph over `classes` length classes."""
+    return "decoder" if classes == 1 else f"decoder{classes}"
+
+
+def decoder_spec(cfg: ModelConfig, classes: int = 1) -> GraphSpec:
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
     inputs = [TensorSpec("tokens", "int64", ("rows",)),
               TensorSpec("positions", "int64", ("rows",))]
     if cfg.gret:  # only GRET's per-sentence s^M and Gs are gathered per row
         inputs.append(TensorSpec("row_sentence", "int64", ("rows",)))
     inputs.append(TensorSpec("row_slot", "int64", ("rows",)))
-    inputs += [t for c in range(SOURCE_CLASSES) for t in class_inputs(cfg, c)]
+    inputs += [t for c in range(classes) for t in class_inputs(cfg, c)]
     outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
@@ -146,12 +152,13 @@ def decoder_spec(cfg: ModelConfig) -> GraphSpec:
     outputs.append(TensorSpec("block_max", "float32", ("rows", -(-cfg.vocab_size // TOP_K_BLOCK))))
     weights = ["embed.", "dec_norm.", "context_gate.w_r."]
     weights += [f"decoder.{i}.{part}." for i in range(cfg.dec_layers) for part in DECODER_LAYER_PARTS]
-    return GraphSpec("decoder", tuple(inputs), tuple(outputs), tuple(weights))
+    return GraphSpec(decoder_name(classes), tuple(inputs), tuple(outputs), tuple(weights))
 
 
 def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, ...]:
     """The graphs of a repository, in the order a source goes through them."""
-    return (encoder_spec(cfg),) + ((global_spec(cfg),) if cfg.capsule else ()) + (decoder_spec(cfg),)
+    decoders = tuple(decoder_spec(cfg, classes) for classes in range(1, SOURCE_CLASSES + 1))
+    return (encoder_spec(cfg),) + ((global_spec(cfg),) if cfg.capsule else ()) + decoders
 
 
 def export_digest(cfg: ModelConfig) -> str:

@@ -222,7 +222,7 @@ def test_quick_step_benchmark_fits_each_architecture_and_phase_and_the_report_re
     assert set(result["ops"]) == {"tiny-en-de", "de-en"}
     for f in result["ops"].values():  # the profiled loop ran every graph (a capsule model's global one too)
         graphs = set(f["ms_per_text"])
-        assert f["in_flight"] == 4 and graphs in ({"encoder", "decoder"}, {"encoder", "global", "decoder"})
+        assert f["in_flight"] == 4 and graphs - {"global", "decoder2"} == {"encoder", "decoder"}
         assert f["ms_per_text"]["decoder"]["GroupQueryAttention"] > 0
         assert all(sum(ops.values()) > 0 for ops in f["ms_per_text"].values())
     assert (tmp_path / "bench-step.png").read_bytes().startswith(PNG)

@@ -22,7 +22,7 @@ from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
 from export import onnx_runtime
 from export.onnx_runtime import OnnxModel, beam_search, greedy
-from export.spec import SOURCE_CLASSES, decoder_spec, encoder_spec, export_sources, model_specs
+from export.spec import decoder_spec, encoder_spec, export_sources, model_specs
 from tests.architectures import ARCHITECTURES, length_classes, perturb, random_batch, step_case, tiny_config
 from training.corpora import load_examples
 from training.data import train_sentencepiece
@@ -357,17 +357,17 @@ def test_the_graphs_block_maxima_are_torchs_for_whole_and_padded_blocks(tmp_path
 
 
 def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, spm_bytes):
-    """A capsule model's repository has three graphs: the encoder, ending at the routing's votes,
+    """A capsule model's repository has four graphs: the encoder, ending at the routing's votes,
     which it projects by the stacked capsule weights as one 2-D matrix; the global state after the
-    host's routing; the decoder step. int8 leaves no MatMul on an fp32 weight in any of them, and
+    host's routing; the decoder step over one and over two length classes. int8 leaves no MatMul on an fp32 weight in any of them, and
     the int8 GRET graphs give an s^M and log-probabilities close to fp32's (within 10% of their
     norm: int8's error)."""
     model, fp32 = export_tiny("gret_full", tmp_path, spm_bytes, "--quantize", "int8")
     int8 = OnnxModel(tmp_path / "repo", precision="int8")
     assert read_manifest(tmp_path / "repo")["onnx"]["precisions"]["int8"] == {
-        name: f"{name}.int8.onnx" for name in ("encoder", "global", "decoder")}
+        name: f"{name}.int8.onnx" for name in ("encoder", "global", "decoder", "decoder2")}
     graphs = {name: onnx.load(str(tmp_path / "repo" / f"{name}.int8.onnx")).graph
-              for name in ("encoder", "global", "decoder")}
+              for name in ("encoder", "global", "decoder", "decoder2")}
     for name, graph in graphs.items():
         weights = {t.name for t in graph.initializer}
         assert not [n.name for n in graph.node if n.op_type == "MatMul" and weights & set(n.input)], name
@@ -415,20 +415,22 @@ def test_the_step_attends_with_group_query_attention_and_copies_no_logits(tmp_pa
 
 def test_the_steps_cross_attention_computes_no_shapes_at_run_time(tmp_path, spm_bytes):
     """Its reshapes are to fixed shapes and its grouping is one gather per length class: no Shape or
-    ConstantOfShape node, each of which costs a one-text step about what a small kernel does, and
-    one Concat per layer: the classes' outputs side by side."""
+    ConstantOfShape node, each of which costs a one-text step about what a small kernel does. The
+    step over one class has no Concat either; the one over two joins the classes' outputs once per
+    layer."""
     import onnxruntime as ort
 
     model, _ = export_tiny("gret_full", tmp_path, spm_bytes)
-    options = ort.SessionOptions()  # the graph as ONNX Runtime runs it: constants folded
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.optimized_model_filepath = str(tmp_path / "run.onnx")
-    ort.InferenceSession(str(tmp_path / "repo" / "decoder.onnx"), options, providers=["CPUExecutionProvider"])
-    nodes = [n for n in onnx.load(str(tmp_path / "run.onnx")).graph.node if "/res_cross" in n.name]
-    ops = Counter(n.op_type for n in nodes)
-    assert ops["MatMul"] >= SOURCE_CLASSES * model.cfg.dec_layers  # the attention of every class is there ...
-    assert ops["Shape"] == ops["ConstantOfShape"] == 0  # ... with no shape arithmetic ...
-    assert ops["Concat"] == model.cfg.dec_layers  # ... and the classes joined once per layer
+    for classes, name in enumerate(("decoder.onnx", "decoder2.onnx"), 1):
+        options = ort.SessionOptions()  # the graph as ONNX Runtime runs it: constants folded
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.optimized_model_filepath = str(tmp_path / "run.onnx")
+        ort.InferenceSession(str(tmp_path / "repo" / name), options, providers=["CPUExecutionProvider"])
+        nodes = [n for n in onnx.load(str(tmp_path / "run.onnx")).graph.node if "/res_cross" in n.name]
+        ops = Counter(n.op_type for n in nodes)
+        assert ops["MatMul"] >= classes * model.cfg.dec_layers, name  # the attention of every class is there ...
+        assert ops["Shape"] == ops["ConstantOfShape"] == 0, name  # ... with no shape arithmetic ...
+        assert ops["Concat"] == (classes - 1) * model.cfg.dec_layers, name  # ... and the classes joined once a layer
 
 
 def test_the_encoders_heads_split_and_merge_without_shape_chains(tmp_path, spm_bytes):
@@ -470,12 +472,12 @@ def test_repository_lists_its_files_signatures_and_recorded_metrics(tmp_path, sp
     assert manifest["backend"] == "onnx" and manifest["task"] == "translate"
     assert (manifest["source_language"], manifest["target_language"]) == ("de", "en")
     assert manifest["onnx"]["opset"] == 17 and manifest["onnx"]["precisions"] == {
-        "fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx"}}
-    assert set(manifest["files"]) == {"encoder.onnx", "decoder.onnx", "spm.model"}
+        "fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "decoder2": "decoder2.onnx"}}
+    assert set(manifest["files"]) == {"encoder.onnx", "decoder.onnx", "decoder2.onnx", "spm.model"}
     assert all(sha256(repo / f) == entry["sha256"] for f, entry in manifest["files"].items())
     assert "POS tags" in manifest["architecture"]["summary"] and "metrics" in manifest
     assert manifest["version"] == sha256(tmp_path / "checkpoint" / "model.safetensors")[:12]
-    for spec in (encoder_spec(model.cfg), decoder_spec(model.cfg)):
+    for spec in (encoder_spec(model.cfg), decoder_spec(model.cfg), decoder_spec(model.cfg, 2)):
         assert signature_errors(onnx.load(str(repo / f"{spec.name}.onnx")).graph, spec) == []
     assert [t["name"] for t in manifest["onnx"]["graphs"]["encoder"]["inputs"]] == ["src_ids", "src_tags"]
     (repo / "spm.model").write_bytes(b"changed")

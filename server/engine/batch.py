@@ -128,21 +128,20 @@ class Batch:
     def step_inputs(self) -> tuple:
         """The decoder's inputs over slots 0..n-1: (tokens, positions, row_sentence, enc, cache,
         top_k); an empty slot has row_sentence -1 and position 0. A row's sentence is its
-        sequence's encoder slot, counted over the length classes (SourceClasses.sentence); top_k is
+        sequence's encoder slot, counted over the length classes (SourceClasses.state); top_k is
         the candidates a row needs: twice the widest beam. The cache has a column free at every
         row's position, where the step writes."""
         last = self.row_sentence.numpy() if self.row_sentence is not None else np.empty(0, np.int64)
-        sentence = self.sources.sentence(self.enc_class, self.enc_slot)
+        enc, first = self.sources.state()
         tokens, positions, row_sentence, same = slot_inputs(self.slot, self.tokens, self.positions,
-                                                            sentence[self.row_seq], last)
+                                                            (first[self.enc_class] + self.enc_slot)[self.row_seq], last)
         self._reserve(int(positions.max()) + 1, 0)
         n = len(tokens)
         if not same:
             self.row_sentence = torch.from_numpy(row_sentence)  # never written again: the backend keeps what it derives
         cache = self._cache_views(n)
         top_k = min(2 * int(self.beams.max()), self.cfg.vocab_size)
-        return (torch.from_numpy(tokens), torch.from_numpy(positions), self.row_sentence, self.sources.state(), cache,
-                top_k)
+        return torch.from_numpy(tokens), torch.from_numpy(positions), self.row_sentence, enc, cache, top_k
 
     def _cache_views(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's keys and values over slots 0..n-1: the same view objects while the storage

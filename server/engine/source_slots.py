@@ -43,7 +43,7 @@ class SourceClasses:
     flight: one width read 35.4 columns per sentence for 16.0 pieces, two classes 23.4 (2000
     draws); a 28-sentence int8 step ran 5% faster, the server under 64 callers 1.085x (median of 6
     alternating rounds). A sequence keeps its class and slot for life; its sentence in a step is
-    its slot counted on from the classes before its own (sentence())."""
+    its slot counted on from the classes before its own (state())."""
 
     def __init__(self, device: torch.device = torch.device("cpu")):
         self.device = device
@@ -90,18 +90,15 @@ class SourceClasses:
                 slots[mine] = moved[slots[mine]]
         return slots
 
-    def sentence(self, klass: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Each slot's sentence in the step: the classes' slots 0..n-1 one class after another."""
-        offsets = np.cumsum([0] + [c.in_use() for c in self.classes[:-1]])
-        return offsets[klass] + slots
-
-    def state(self) -> tuple[EncoderState, ...]:
-        """Each class's state (SourceSlots.state), as one tuple object while theirs stay; a class no
-        sentence has joined yet is left out (the backend stands in an empty one)."""
-        states = tuple(c.state() for c in self.classes if c.memory is not None)
+    def state(self) -> tuple[tuple[EncoderState, ...], np.ndarray]:
+        """The states of the classes that hold sentences (SourceSlots.state), as one tuple object
+        while theirs stay (the backend's decoder graph is the one of as many classes), and each
+        class's first sentence in the step: a slot's sentence is the classes' slots before it."""
+        used = [c.in_use() for c in self.classes]
+        states = tuple(c.state(n) for c, n in zip(self.classes, used) if n)
         if len(states) != len(self.views) or any(a is not b for a, b in zip(states, self.views)):
             self.views = states
-        return self.views
+        return self.views, np.cumsum([0] + used[:-1])
 
 
 class SourceSlots:
@@ -155,11 +152,10 @@ class SourceSlots:
         src_pad[slots] = True
         src_pad[slots, 0] = False
 
-    def state(self) -> EncoderState:
-        """Slots 0..n-1 as the decoder step's per-sentence tensors (views, no copies): the same view
-        objects while the layout (_layout replaces every tensor) and n stay, which the backend's
-        binding recognises at once."""
-        n = self.in_use()
+    def state(self, n: int) -> EncoderState:
+        """Slots 0..n-1 (n: in_use()) as the decoder step's per-sentence tensors (views, no copies):
+        the same view objects while the layout (_layout replaces every tensor) and n stay, which the
+        backend's binding recognises at once."""
         if self.views is None or self.views[0] is not self.memory or self.views[1] != n:
             self.views = (self.memory, n, self._views(n))
         return self.views[2]
