@@ -41,9 +41,10 @@ class SourceClasses:
     each class apart (Seq2Seq.step), so a short sentence's cross-attention reads its class's
     columns, not those of the longest source in the batch. Ad hoc, with 32 Multi30K sentences in
     flight: one width read 35.4 columns per sentence for 16.0 pieces, two classes 23.4 (2000
-    draws); a 28-sentence int8 step ran 5% faster, the server under 64 callers 1.085x (median of 6
-    alternating rounds). A sequence keeps its class and slot for life; its sentence in a step is
-    its slot counted on from the classes before its own (state())."""
+    draws); a 28-sentence int8 step ran 5% faster, the server under 64 callers 1.085x and 1.032x
+    its one-class predecessor (two runs, each the median of 6 alternating rounds), the GRET server
+    0.959x (within those rounds' noise). A sequence keeps its class and slot for life; its sentence
+    in a step is its slot counted on from the classes before its own (state())."""
 
     def __init__(self, device: torch.device = torch.device("cpu")):
         self.device = device
