@@ -60,16 +60,11 @@ def random_batch(cfg: ModelConfig, lengths: list[int], seed: int = 0):
 
 def length_classes(enc, classes: list[list[int]]) -> tuple:
     """enc's sentences in length classes (the serving engine's layout: server/engine/source_slots.py):
-    each class the given sentences, in that order, cut to the longest of them."""
+    each class the given sentences, in that order, padded to the longest of them."""
     from training.seq2seq.model import EncoderState
 
-    def one(sentences: list[int]) -> EncoderState:
-        state = enc.select(torch.tensor(sentences))
-        width = int((~state.src_pad).sum(1).max())
-        return EncoderState([(k[:, :, :width], v[:, :, :width]) for k, v in state.memory], state.src_pad[:, :width],
-                            state.global_state, state.gate_source)
-
-    return tuple(one(c) for c in classes)
+    sentences = enc.split((~enc.src_pad).sum(1).tolist())  # each cut to its own length
+    return tuple(EncoderState.stack([sentences[i] for i in c]) for c in classes)
 
 
 def step_case(cfg: ModelConfig, row_sentence: list[int], width: int = 6, seed: int = 0):

@@ -7,8 +7,8 @@ copied when others join or leave, where stacking and selecting per event copied 
 state at every admission and every finished sequence (several times a step under steady load).
 
 The decoder step reads each class's slots 0..n-1 (n: the highest in use + 1) as its per-sentence
-tensors, so rows say which slot they read. A free slot among them is computed and read by no row; its mask
-keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
+tensors, so rows say which slot they read. A free slot among them is computed and read by no row;
+its mask keeps column 0 unmasked (keys there are finite) so that its softmax stays finite. The source axis
 grows in steps of COLUMNS to the longest source and shrinks once the longest leaves; the slots
 grow by doubling, and the top slots are moved down into holes once an eighth of them are empty.
 A new layout (one every 25 steps or so under load) is written into the spare of two kept
@@ -72,7 +72,7 @@ class SourceClasses:
         for c, store in enumerate(self.classes):
             sentences = np.flatnonzero(klass == c)
             if len(sentences):
-                slots[sentences] = store.put(enc, sentences)
+                slots[sentences] = store.put(enc, sentences, lengths[sentences])
         return klass, slots
 
     def free(self, klass: np.ndarray, slots: np.ndarray) -> None:
@@ -122,11 +122,10 @@ class SourceSlots:
     def width(self) -> int:
         return self.src_pad.shape[1]
 
-    def put(self, enc: EncoderState, sentences: np.ndarray) -> np.ndarray:
-        """Write some new sentences' states (enc's `sentences`) into free slots; returns them."""
+    def put(self, enc: EncoderState, sentences: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Write some new sentences' states (enc's `sentences`, of source lengths `lengths`) into free
+        slots; returns them."""
         n = len(sentences)
-        src_pad = host(enc.src_pad)[sentences]
-        lengths = src_pad.shape[1] - src_pad.sum(1)
         width = max(int(lengths.max()), 1)  # the columns past it are padding in all of them
         free = np.flatnonzero(self.lengths == 0)[:n]
         if len(free) < n:
