@@ -3,7 +3,6 @@
 Serves every model under models/ (shipped checkpoints are exported to ONNX on first start)."""
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 
@@ -19,6 +18,7 @@ def main(argv=None) -> int:
     config, prepare_only = server_config.load(argv)
     logs.configure(config.log_level, config.log_format)
     from .app import App  # after logging is set up: loading models logs
+    from .engine.engine import freeze_loaded
     from .metrics import Metrics
     from .registry import Registry
 
@@ -35,11 +35,7 @@ def main(argv=None) -> int:
     if prepare_only:
         print("prepared: " + ", ".join(f"{p.entry.name} ({p.entry.version})" for p in registry))
         return 0
-    # What loading made (modules, models, tokenizers) lives as long as the server: the collector
-    # need not walk it again at every full collection, which calls' garbage triggers. Its garbage
-    # goes first: frozen, an unreachable cycle (an export's, a verification's) would never be freed.
-    gc.collect()
-    gc.freeze()
+    freeze_loaded()  # what loading made lives as long as the server
     # uvloop: gRPC's and HTTP's callbacks run on libuv's loop, which spends less of the parent
     # process's CPU per call than asyncio's own; that CPU is what the engine's workers share the cores with
     uvloop.run(App(config, registry, metrics).serve_forever())

@@ -491,7 +491,7 @@ def serve(spec: WorkerSpec, conn) -> None:
     from .encoder_cache import EncoderCache
 
     from ..pipeline import make_backend
-    from .engine import Engine, warm_up
+    from .engine import Engine, freeze_loaded, warm_up
     from .scheduler import Scheduler
 
     torch.set_num_threads(1)  # torch only does the engine's bookkeeping (server/__main__.py)
@@ -524,6 +524,7 @@ def serve(spec: WorkerSpec, conn) -> None:
                     reporter, spec.name)
     reporter.engine = engine
     live: dict[int, Sequence] = {}
+    freeze_loaded()
     conn.send([("ready", None)])
     waiting = pipe_poller(conn)  # a message in the pipe?
     going = True
