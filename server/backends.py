@@ -4,7 +4,8 @@
     encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
     step_top(tokens, positions, row_sentence, enc, cache, top_k)
                                           -> log-probabilities (R, V), each row's top_k best
-                                             (log-probabilities, tokens) (R, top_k), valid until the
+                                             (log-probabilities, tokens) (R, top_k) as NumPy arrays
+                                             on the host (where the search runs), valid until the
                                              next step; this step's keys and values are written into
                                              the cache in place
 
@@ -49,7 +50,8 @@ class TorchBackend:
     def step_top(self, tokens, positions, row_sentence, enc: EncoderState, cache, top_k: int) -> tuple:
         on = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731  (a no-op on the CPU)
         log_probs = self.model.step(on(tokens), on(positions), on(row_sentence), enc, cache)
-        return log_probs, row_top_k(log_probs.float(), top_k)
+        values, top_tokens = row_top_k(log_probs.float(), top_k)
+        return log_probs, (values.cpu().numpy(), top_tokens.cpu().numpy())
 
 
 class OnnxBackend(OnnxModel):

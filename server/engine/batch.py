@@ -159,16 +159,16 @@ class Batch:
     def capacity(self) -> int:
         return self.kv.shape[1] if self.kv is not None else 0
 
-    def search(self, log_probs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor]) -> Choice:
+    def search(self, log_probs: torch.Tensor, top: tuple[np.ndarray, np.ndarray]) -> Choice:
         """One step's decisions from its log-probabilities (slots, V) and each slot's top_k best
-        (log-probabilities, tokens) (slots, top_k), per slot as step_inputs ordered them: finished
+        (log-probabilities, tokens) (slots, top_k), NumPy, per slot as step_inputs ordered them: finished
         hypotheses join their sequences, the rest is for advance()."""
         top_log_probs, top_tokens = top
         k = top_tokens.shape[1]
         if self.constrained:  # the constraints change some log-probabilities: their top_k is chosen again
-            top_log_probs, top_tokens = row_top_k(self._constrain(log_probs.float()), k)
+            top_log_probs, top_tokens = map(host, row_top_k(self._constrain(log_probs.float()), k))
         scores, rows, tokens, finishing, kept, done, length = decide(
-            self.scores, host(top_log_probs), host(top_tokens), self.slot, self.counts, self.positions, self.limits,
+            self.scores, top_log_probs, top_tokens, self.slot, self.counts, self.positions, self.limits,
             self.beams, self.held, self.cfg.eos_id, k)
         # Most steps finish no hypothesis and end no sequence: those skip the bookkeeping for them.
         if finishing.any():

@@ -67,7 +67,7 @@ class SourceClasses:
         src_pad = host(enc.src_pad)
         lengths = src_pad.shape[1] - src_pad.sum(1)
         self.recent = np.concatenate([self.recent, lengths])[-RECENT:]
-        klass = (lengths > whole_steps(int(np.median(self.recent)))).astype(np.int64)
+        klass = (lengths > whole_steps(int(median(self.recent)))).astype(np.int64)
         slots = np.zeros(len(lengths), np.int64)
         for c, store in enumerate(self.classes):
             sentences = np.flatnonzero(klass == c)
@@ -233,6 +233,15 @@ class SourceSlots:
         if self.numpy_views:
             return host(t)[sentences]
         return t.to(self.device)[torch.from_numpy(sentences).to(self.device)]
+
+
+def median(values: np.ndarray) -> float:
+    """np.median's value (the mean of the middle two of an even count) in two NumPy calls, where
+    np.median makes a dozen: 1.7 against 7.0 us over 256 lengths, warm (ad hoc), and more in an
+    engine loop, whose memory is cold after each graph's run."""
+    n = len(values)
+    middle = np.partition(values, [(n - 1) // 2, n // 2])
+    return (middle[(n - 1) // 2] + middle[n // 2]) / 2
 
 
 def host(t: torch.Tensor) -> np.ndarray:

@@ -95,10 +95,18 @@ def row_top_k(log_probs: torch.Tensor, k: int, maxima: torch.Tensor | None = Non
         return log_probs.topk(k, dim=1)
     if maxima is None:
         maxima = block_maxima(log_probs)
-    values = np.empty((log_probs.shape[0], k), np.float32)
-    tokens = np.empty((log_probs.shape[0], k), np.int64)
-    top_k_kernel(log_probs.detach().numpy(), maxima.detach().numpy(), TOP_K_BLOCK, values, tokens)
+    values, tokens = top_k_arrays(log_probs.detach().numpy(), maxima.detach().numpy(), k)
     return torch.from_numpy(values), torch.from_numpy(tokens)
+
+
+def top_k_arrays(x: np.ndarray, maxima: np.ndarray, k: int,
+                 out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """row_top_k on NumPy arrays: x (R, V) float32 and its block maxima -> (values, tokens) (R, k),
+    written into `out` where given (float32 and int64 arrays of that shape): for a caller that keeps
+    its arrays from step to step (the ONNX Runtime backend's)."""
+    values, tokens = out if out is not None else (np.empty((len(x), k), np.float32), np.empty((len(x), k), np.int64))
+    top_k_kernel(x, maxima, TOP_K_BLOCK, values, tokens)
+    return values, tokens
 
 
 @numba.njit(cache=True, nogil=True)
