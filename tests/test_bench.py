@@ -62,6 +62,11 @@ def test_the_speed_report_bounds_the_served_ratio_by_the_engine_plus_grpcs_floor
     assert "a ratio of 1.00 at best" in text and "The server's 0.8 is 80% of that bound" in text
     assert "an engine of at most 8.00 core-ms per text, 1.00× faster than this one" in text
     assert ceiling(data, 10.0, None) == ""  # a run without the gRPC floor has no bound
+    # served workers cheaper than the offline engine (its batches are larger): the bound takes theirs, 7 + 2
+    text = ceiling(data, 10.0, 0.5 + 1.5, served=7.0)
+    assert "the engine costs 7.00 core-ms per text as the server's workers run it" in text
+    assert "a ratio of 1.11 at best" in text and "1.0 needs an engine of at most 8.00 core-ms" in text
+    assert ceiling(data, 10.0, 0.5 + 1.5, served=9.0) == ceiling(data, 10.0, 0.5 + 1.5)  # the offline engine is cheaper
 
 
 def test_quick_server_benchmark_writes_sane_results_and_the_report_renders_them(served_models, tmp_path):
