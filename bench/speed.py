@@ -224,8 +224,8 @@ def measure(args, log_dir: Path) -> dict:
     _, ckpt, sp = load_checkpoint(checkpoint)
     examples = load_examples(ckpt.data.dataset, "test_2016_flickr", ckpt.data.src_lang, ckpt.data.tgt_lang)
     # Every system takes the same texts: the servers' callers cycle through them, the offline systems
-    # decode them once per round. The test set's second half is longer than its first (12.5 target
-    # words a sentence against 11.3), so offline systems given its first half alone would be timed on
+    # decode them once per round. The test set's second half is longer than its first (12.5 reference
+    # target words a sentence against 11.3, counted ad hoc), so offline systems given its first half alone would be timed on
     # easier texts than the servers.
     texts = [e.source for e in examples][: args.texts]
     sources = [(encode_source(sp, t, ckpt.data.max_src_len), None) for t in texts]  # (pieces, no POS tags)

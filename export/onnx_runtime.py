@@ -26,7 +26,7 @@ import torch
 
 from kernels.routing import route_votes
 from training.seq2seq import search
-from training.seq2seq.beam import row_top_k, top_k_arrays
+from training.seq2seq.beam import host_top_k, top_k_arrays
 from training.seq2seq.config import ModelConfig
 from training.seq2seq.model import EncoderState, grown_step
 
@@ -295,24 +295,24 @@ class OnnxModel:
         outputs = self._step(tokens, positions, row_sentence, enc, cache)
         log_probs = outputs["log_probs"]
         if self.device.type != "cpu":
-            values, top_tokens = row_top_k(log_probs, top_k)
-            return log_probs, (values.cpu().numpy(), top_tokens.cpu().numpy())
-        return log_probs, top_k_arrays(*self._top_arrays(log_probs, outputs["block_max"], top_k))
+            return log_probs, host_top_k(log_probs, top_k)
+        return log_probs, self._top(log_probs, outputs["block_max"], top_k)
 
-    def _top_arrays(self, log_probs: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple:
-        """(NumPy views of the step's log_probs and block maxima, k, arrays for their top-k), kept by
+    def _top(self, log_probs: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """top_k_arrays over NumPy views of the step's log_probs and block maxima, into arrays kept by
         rows and k while the step's outputs are the same tensors (OnnxGraph._owned gives the same
         view for the same rows). Made afresh at every step, the views and arrays cost a one-text step
         more than choosing its tokens does: its loop's memory is cold after the graph's run."""
         kept = self.local.__dict__.setdefault("top", {})
-        entry = kept.get((len(log_probs), k))
+        rows = len(log_probs)
+        entry = kept.get((rows, k))
         if entry is None or entry[0] is not log_probs or entry[1] is not maxima:
             if len(kept) >= OWNED_VIEWS:
                 kept.clear()
-            rows = len(log_probs)
             entry = kept[rows, k] = (log_probs, maxima, log_probs.numpy(), maxima.numpy(),
                                      (np.empty((rows, k), np.float32), np.empty((rows, k), np.int64)))
-        return entry[2], entry[3], k, entry[4]
+        _, _, x, x_maxima, out = entry
+        return top_k_arrays(x, x_maxima, k, out)
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
               enc: EncoderState | tuple, cache: list) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from export.onnx_runtime import OnnxModel
-from training.seq2seq.beam import row_top_k
+from training.seq2seq.beam import host_top_k
 from training.seq2seq.model import EncoderState, Seq2Seq
 
 
@@ -50,8 +50,7 @@ class TorchBackend:
     def step_top(self, tokens, positions, row_sentence, enc: EncoderState, cache, top_k: int) -> tuple:
         on = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731  (a no-op on the CPU)
         log_probs = self.model.step(on(tokens), on(positions), on(row_sentence), enc, cache)
-        values, top_tokens = row_top_k(log_probs.float(), top_k)
-        return log_probs, (values.cpu().numpy(), top_tokens.cpu().numpy())
+        return log_probs, host_top_k(log_probs.float(), top_k)
 
 
 class OnnxBackend(OnnxModel):

@@ -54,11 +54,11 @@ import numpy as np
 import torch
 
 from training.seq2seq.beam import (NEG_INF, Candidates, Hypothesis, candidates_kernel, first_rows, force_prefix,
-                                  row_top_k, select_kernel)
+                                  host_top_k, select_kernel)
 from training.seq2seq.model import EncoderState
 
 from .sequence import Sequence
-from .source_slots import SourceClasses, host
+from .source_slots import SourceClasses
 from .storage import TwoStorages
 
 COLUMNS = 16  # the cache's width grows and shrinks in steps of this many columns
@@ -166,7 +166,7 @@ class Batch:
         top_log_probs, top_tokens = top
         k = top_tokens.shape[1]
         if self.constrained:  # the constraints change some log-probabilities: their top_k is chosen again
-            top_log_probs, top_tokens = map(host, row_top_k(self._constrain(log_probs.float()), k))
+            top_log_probs, top_tokens = host_top_k(self._constrain(log_probs.float()), k)
         scores, rows, tokens, finishing, kept, done, length = decide(
             self.scores, top_log_probs, top_tokens, self.slot, self.counts, self.positions, self.limits,
             self.beams, self.held, self.cfg.eos_id, k)

@@ -99,6 +99,12 @@ def row_top_k(log_probs: torch.Tensor, k: int, maxima: torch.Tensor | None = Non
     return torch.from_numpy(values), torch.from_numpy(tokens)
 
 
+def host_top_k(log_probs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """row_top_k as NumPy arrays on the host, where the search runs (copied from an accelerator)."""
+    values, tokens = row_top_k(log_probs, k)
+    return values.cpu().numpy(), tokens.cpu().numpy()
+
+
 def top_k_arrays(x: np.ndarray, maxima: np.ndarray, k: int,
                  out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """row_top_k on NumPy arrays: x (R, V) float32 and its block maxima -> (values, tokens) (R, k),
