@@ -12,9 +12,10 @@ import torch
 from server.engine.encoder_cache import EncoderCache
 from server.backends import TorchBackend
 from server.engine.batch import banned_tokens, fork_slots
-from server.engine.engine import ENCODE_PIECES, Draining, Engine, Replicas, encoder_passes
+from server.engine.engine import (CAPSULE_ADMISSION_INTERVAL, ENCODE_PIECES, Draining, Engine, Replicas,
+                                  admission_interval, encoder_passes)
 from server.engine.options import DecodingOptions, Limits, OptionError
-from server.engine.scheduler import QueueFull, Scheduler, batch_cost
+from server.engine.scheduler import BUSY_TEXTS, QueueFull, Scheduler, batch_cost
 from server.engine.result_cache import ResultCache, result_key
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
 from tests.architectures import perturb, random_batch, tiny_config
@@ -560,6 +561,43 @@ def test_the_cap_never_keeps_a_call_waiting_while_nobody_else_does():
     running = scheduler.admit([])
     assert running == a[:10]
     assert scheduler.admit(running[:8]) == a[10:]  # holds 80, far over its share: alone, it still goes
+
+
+def test_a_loaded_batch_paced_every_third_step_admits_what_arrived_meanwhile_together():
+    """Pacing: with BUSY_TEXTS texts running, admission happens at steps 0, 3, 6... only, and what
+    waited is admitted at once; a lighter batch admits at every step, and so does every = 1."""
+    running = texts(BUSY_TEXTS)
+    scheduler = Scheduler(max_batch_tokens=1000)
+    scheduler.add(first := texts(1))
+    assert [scheduler.admit(running, clock, every=3) for clock in (1, 2)] == [[], []]
+    scheduler.add(second := texts(1))
+    assert scheduler.admit(running, 3, every=3) == [*first, *second]
+    scheduler.add(light := texts(1))
+    assert scheduler.admit(running[1:], 4, every=3) == light
+    scheduler.add(unpaced := texts(1))
+    assert scheduler.admit(running, 4) == unpaced
+
+
+def test_capsule_models_pace_their_admission_and_other_models_admit_at_every_step():
+    """The capsule models' encoder pass (routing on the host, then the global-state graph) is
+    shared by the texts that waited for it; each text still gets its offline result."""
+    assert [admission_interval(tiny_config(name)) for name in ("vanilla", "gret_full")] == \
+        [1, CAPSULE_ADMISSION_INTERVAL]
+    model = tiny_model("gret_full")
+    engine, options = engine_for(model), DecodingOptions(beam=2)
+    srcs = sources(model, [5, 7, 4, 6, 8, 5, 6, 7, 4, 6, 5])
+    seqs = [make_seq(model, s, options) for s in srcs]
+    engine.submit(seqs[:BUSY_TEXTS])
+    engine.iterate()
+    engine.submit(seqs[BUSY_TEXTS:])
+    engine.iterate()
+    engine.iterate()
+    assert len(engine.batch) == BUSY_TEXTS  # steps 1 and 2: the late texts wait
+    engine.iterate()
+    assert len(engine.batch) == len(seqs)  # step 3: all three join
+    engine.run_until_idle()
+    for seq, src in zip(seqs, srcs):
+        assert [h.tokens for h in seq.hypotheses] == [h.tokens for h in offline(model, src, options)]
 
 
 def test_calls_of_several_texts_fill_their_share_of_the_budget_and_one_text_calls_the_rest():

@@ -38,6 +38,14 @@ texts is not held up for hundreds of steps behind a call of wide beams and long 
 waiting text still starts by the promised step (texts that end early can only bring it forward
 when nothing was backfilled). Lower priorities never backfill: rule 1 stays strict.
 
+Pacing. Under load (BUSY_TEXTS or more texts running) an engine may admit at every `every`-th
+step only (admit's `every`; the engine's admission_interval chooses it by model): the texts that
+arrived meanwhile are encoded in one pass. A pass has a fixed cost, and every pass leaves the next
+decoder step to find its weights and caches evicted; for a model whose encoder does much besides
+its layers (GRET's capsule routing and global-state graph) fewer, larger passes are cheaper per
+text. A text waits at most every - 1 steps more; a lighter batch admits at every step, so a lone
+caller's latency is untouched, and so does a batch with a waiting text promised a step (below).
+
 Policies (the server benchmark compares them on one model):
   continuous  admit at every decoder step (continuous batching, the default)
   request     admit only into an empty batch, as many as fit (request-level dynamic batching)
@@ -54,6 +62,7 @@ from .sequence import Sequence
 
 POLICIES = ("continuous", "request", "none")
 MIN_PRIORITY, MAX_PRIORITY = -10, 10  # a request's priority; 0 when it names none
+BUSY_TEXTS = 8  # a batch running this many texts is under load: admission may be paced (admit's `every`)
 
 _calls = itertools.count()  # one number per line, unique across the process's schedulers
 
@@ -174,10 +183,13 @@ class Scheduler:
                             f"this request has {len(seqs)}: retry later")
         self.waiting.add(seqs)
 
-    def admit(self, running: list[Sequence], clock: int = 0) -> list[Sequence]:
+    def admit(self, running: list[Sequence], clock: int = 0, every: int = 1) -> list[Sequence]:
         """Sequences to join a batch that holds `running`; `clock` is the engine's step count, from
-        which each running text's steps left follow (Sequence.joined)."""
+        which each running text's steps left follow (Sequence.joined). Under load, none but at
+        steps that are multiples of `every` (pacing, above)."""
         if self.policy != "continuous" and running:
+            return []
+        if clock % every and len(running) >= BUSY_TEXTS and self.promise is None:
             return []
         batch, bulk, budget = Load(running), Load([s for s in running if s.bulk]), self.max_batch_tokens
 
