@@ -22,7 +22,8 @@ from .engine.encoder_cache import EncoderCache
 from training.seq2seq.beam import Hypothesis
 from training.seq2seq.checkpoint import load_checkpoint
 from training.seq2seq.config import Checkpoint
-from training.seq2seq.inputs import EOS, normalize_input
+from training.seq2seq.inputs import EOS, align_tags, normalize_input
+from training.seq2seq.pos_tags import encode_with_spans, get_tagger, subword_tags
 
 from .backends import OnnxBackend, TorchBackend
 from .catalog import VERIFY_FILE, ModelEntry, ModelError, from_repository
@@ -63,6 +64,7 @@ class Source:
     """A segment as the model reads it."""
     protected: Protected
     pieces: list[int]
+    spans: list[tuple[int, int]] | None = None  # POS models: each piece's characters in protected.text
 
 
 @dataclass
@@ -101,8 +103,6 @@ class Pipeline:
         self.alphabet = Alphabet(entry.sp)
         self._tagger = None
         if entry.cfg.pos_tags:  # POS models only: the taggers load slowly
-            from training.seq2seq.pos_tags import get_tagger
-
             self._tagger = get_tagger(entry.source_language)
             self._tags("Warm-up.", entry.sp.encode("Warm-up.") + [EOS])  # compiles its search now, not in a call
         self._torch_model = None  # loaded on the first diagnostics request
@@ -191,6 +191,8 @@ class Pipeline:
         back; a summary leaves out what it likes, so it has none to put back)."""
         text = normalize_input(self.entry.input_style, text)
         protected = Protected(text, []) if self.summarize else protect(text, self.alphabet)
+        if self._tagger is not None:  # the tags go by the pieces' spans: both from one encoding
+            return Source(protected, *encode_with_spans(self.entry.sp, protected.text))
         return Source(protected, self.entry.sp.encode(protected.text))
 
     def _fits(self, text: str) -> bool:
@@ -208,18 +210,16 @@ class Pipeline:
             raise InputError(f"text {i} is {len(source.pieces)} pieces long; model {e.name} accepts at most "
                              f"{max_pieces}")
         src = source.pieces[:max_pieces] + [EOS]
-        tags = self._tags(source.protected.text, src) if e.cfg.pos_tags else None
+        tags = self._tags(source.protected.text, src, source.spans) if e.cfg.pos_tags else None
         try:
             limit = options.output_limit(len(src), e.cfg.max_positions - 1, self.limits)
         except OptionError as error:
             raise InputError(f"text {i}: {error}") from None
         return Sequence(src, options, limit, on_done, tags=tags, deadline=deadline)
 
-    def _tags(self, text: str, src: list[int]) -> list[int]:
-        from training.seq2seq.inputs import align_tags
-        from training.seq2seq.pos_tags import subword_tags
-
-        return align_tags([subword_tags(text, self.entry.source_language, self.entry.sp, self._tagger)], [src])[0]
+    def _tags(self, text: str, src: list[int], spans: list[tuple[int, int]] | None = None) -> list[int]:
+        tags = subword_tags(text, self.entry.source_language, self.entry.sp, self._tagger, spans)
+        return align_tags([tags], [src])[0]
 
     # ---- GRET diagnostics -------------------------------------------------------------------
     def check_diagnostics(self) -> None:

@@ -176,7 +176,9 @@ def test_a_piece_takes_the_word_it_overlaps_most_the_first_of_equals_else_the_ne
 
 def test_offsets_are_characters(sp):
     text = "Größe 😀 läuft"
-    for (b, e), piece in zip(pt.piece_spans(sp, text), sp.encode(text, out_type=str)):
+    ids, spans = pt.encode_with_spans(sp, text)
+    assert ids == sp.encode(text) and spans == pt.piece_spans(sp, text)
+    for (b, e), piece in zip(spans, sp.encode(text, out_type=str)):
         assert 0 <= b <= e <= len(text)
     assert pt._byte_to_char_offsets("aé😀") == [0, 1, 1, 2, 2, 2, 2, 3]
 
@@ -187,10 +189,10 @@ def test_old_sentencepiece_byte_offsets():
         def encode(self, text, out_type=int):
             if out_type != "immutable_proto":
                 raise ValueError(f"unknown out_type={out_type}")
-            return SimpleNamespace(pieces=[SimpleNamespace(begin=0, end=2),
-                                           SimpleNamespace(begin=2, end=6)])
+            return SimpleNamespace(pieces=[SimpleNamespace(id=7, begin=0, end=2),
+                                           SimpleNamespace(id=9, begin=2, end=6)])
 
-    assert pt.piece_spans(OldSP(), "ä😀") == [(0, 1), (1, 2)]
+    assert pt.encode_with_spans(OldSP(), "ä😀") == ([7, 9], [(0, 1), (1, 2)])
 
 
 @pytest.mark.parametrize("lang", ["fr", "FRX", ""])

@@ -357,9 +357,10 @@ def _byte_to_char_offsets(text: str) -> list[int]:
     return table
 
 
-def piece_spans(sp, text: str) -> list[tuple[int, int]]:
-    """(begin, end) char offsets into the *original* text for each piece of
-    sp.encode(text).
+def encode_with_spans(sp, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """sp.encode(text) and, for each piece, its (begin, end) char offsets into
+    the *original* text, from one encoding (a POS model's server reads every
+    request's pieces and their spans).
 
     sentencepiece >= 0.2.1 has out_type='offset_mapping' (char offsets for
     str input). Older versions only have 'immutable_proto', whose
@@ -367,11 +368,17 @@ def piece_spans(sp, text: str) -> list[tuple[int, int]]:
     Pieces made purely by normalisation (e.g. "…" -> "...") may be empty.
     """
     try:
-        return [tuple(o) for o in sp.encode(text, out_type="offset_mapping")["offsets"]]
+        encoded = sp.encode(text, out_type="offset_mapping")
+        return encoded["ids"], [tuple(o) for o in encoded["offsets"]]
     except ValueError:
         proto = sp.encode(text, out_type="immutable_proto")
         to_char = _byte_to_char_offsets(text)
-        return [(to_char[p.begin], to_char[p.end]) for p in proto.pieces]
+        return [p.id for p in proto.pieces], [(to_char[p.begin], to_char[p.end]) for p in proto.pieces]
+
+
+def piece_spans(sp, text: str) -> list[tuple[int, int]]:
+    """The spans of encode_with_spans."""
+    return encode_with_spans(sp, text)[1]
 
 
 def align(spans: list[tuple[int, int]], words: list[tuple[int, int, int]]) -> list[int]:
@@ -400,10 +407,12 @@ def align(spans: list[tuple[int, int]], words: list[tuple[int, int, int]]) -> li
     return out
 
 
-def subword_tags(text: str, lang: str, sp, tagger: Tagger | None = None) -> list[int]:
-    """One UPOS id per piece of sp.encode(text), same order and length."""
+def subword_tags(text: str, lang: str, sp, tagger: Tagger | None = None,
+                 spans: list[tuple[int, int]] | None = None) -> list[int]:
+    """One UPOS id per piece of sp.encode(text), same order and length; `spans`: the pieces'
+    (encode_with_spans), where the caller has them."""
     tagger = tagger or get_tagger(_check_lang(lang))
-    spans = piece_spans(sp, text)
+    spans = piece_spans(sp, text) if spans is None else spans
     if not spans:
         return []
     return align(spans, tagger.tag_text(text))
