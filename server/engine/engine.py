@@ -64,9 +64,9 @@ def encoder_passes(seqs: list[Sequence]) -> list[list[Sequence]]:
 
 # Steps between admissions under load (Scheduler.admit's pacing) for capsule-routing GRET models,
 # whose encoder pass adds the routing on the host and a second graph to the encoder's. Served with
-# defaults under 64 callers (the closed loop of bench speed, servers taking turns, 6 rounds, ad hoc,
-# on 3515669): every 3rd step gave 1.047x texts/s (1.028-1.074) and 4.4% less worker CPU per text
-# than every step; a vanilla model's every 2nd or 3rd step was no faster (0.99x, within noise).
+# defaults under 64 callers (the closed loop of bench speed, servers taking turns, 6 rounds, ad hoc):
+# every 3rd step gave 1.047x texts/s (1.028-1.074) and 4.4% less worker CPU per text than every step
+# (3515669, before pacing); a vanilla model's every 2nd or 3rd step was no faster (0.99x, within noise).
 CAPSULE_ADMISSION_INTERVAL = 3
 
 
