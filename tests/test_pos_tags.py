@@ -125,15 +125,32 @@ def test_a_word_outside_the_lexicon_is_analysed_once_and_tagged_the_same_again()
 
 
 @pytest.mark.parametrize("lang,other", [("de", "en"), ("en", "de")])
-def test_our_viterbi_finds_hantas_own_tags(lang, other):
+def test_our_search_finds_hantas_own_tags(lang, other):
     """The tagger's search visits only a word's possible tags; on real sentences (and ones with
-    words HanTa cannot analyse) it returns exactly what HanTa's tag_sent does."""
+    words HanTa cannot analyse) it returns exactly what HanTa's tag_sent does, each tag as UPOS
+    unless the word's characters decide it."""
     tagger = pt.Tagger(lang)
     texts = [e.source for e in load_examples("multi30k", "test_2016_flickr", lang, other)[:400]]
-    texts += ["Xqzvbn wlkjh 123 ?!", "zzz", "A"]
+    texts += ["Xqzvbn wlkjh 123 ?!", "zzz", "A", "Der Hund’s Ball"]
     for text in texts:
         words = [text[b:e] for b, e in tagger.tokenize(text)]
-        assert pt._viterbi(tagger._model, words) == tagger._model.tag_sent_viterbi(words)
+        hanta = tagger._model.tag_sent_viterbi([w.replace("’", "'") for w in words])
+        assert tagger.tag_words(words) == [pt._char_class_tag(w) or tagger._hanta_upos[t] for w, t in zip(words, hanta)]
+
+
+def test_the_lexicon_starts_afresh_past_its_bound_and_tags_the_same(monkeypatch):
+    """Past ANALYSES words the lexicon forgets them all, so memory stays bounded whatever the
+    requests; a sentence longer than the bound still gets its tags whole."""
+    tagger = pt.Tagger("de")
+    text = "Ein kleiner Junge spielt mit seinem Hund im Garten hinter dem Haus ."
+    words = text.split()
+    expected = tagger.tag_words(words)
+    monkeypatch.setattr(pt, "ANALYSES", 3)
+    tagger = pt.Tagger("de")
+    assert tagger.tag_words(words) == expected  # 13 new rows in one sentence
+    assert tagger.tag_words(["Der", "Hund"]) == [pt.UPOS_ID["DET"], pt.UPOS_ID["NOUN"]]
+    assert tagger._lexicon.rows == 3  # started afresh: the unused row 0 and these two
+    assert tagger.tag_words(words) == expected
 
 
 def test_a_word_of_thousands_of_characters_is_tagged_as_its_first_word_chars():

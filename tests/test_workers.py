@@ -339,6 +339,6 @@ def test_a_model_is_compiled_and_run_once_before_it_serves_so_no_call_waits_for_
     assert out.returncode == 0, out.stderr[-3000:]
     at_start, after_calls = json.loads(out.stdout.strip().splitlines()[-1])
     for kernel in ("server.engine.batch.decide", "server.engine.batch.next_rows", "server.engine.batch.copy_columns",
-                   "training.seq2seq.pos_tags._best_path"):
+                   "training.seq2seq.pos_tags._tag_sentence"):
         assert at_start[kernel] >= 1, kernel
     assert after_calls == at_start

@@ -117,7 +117,7 @@ def _check_lang(lang: str) -> str:
     return code
 
 
-ANALYSES = 1 << 15  # memoised analyses of out-of-lexicon words per language (a few KB each at most)
+ANALYSES = 1 << 15  # words memoised per language: HanTa's analyses, the Lexicon's rows (a few KB each at most)
 # HanTa analyses a word in time quadratic in its length (200 characters: 0.13 s, 400: 0.54 s,
 # so 4000: about a minute), so it sees a word's first WORD_CHARS characters only. The corpora's
 # longest word has 36 (Multi30K de; 23 in Gigaword): no training tag changes, and no request can
@@ -138,24 +138,67 @@ def _hanta(filename: str):
     return model
 
 
-def _viterbi(model, words: list[str]) -> list[int]:
-    """HanTa's tag sequence for a sentence, the one its tag_sent finds, visiting far fewer candidates.
+class Lexicon:
+    """The words one HanTa model has tagged, each analysed once, as rows of flat arrays: a word's
+    possible tags (indices into _hmm's) and their emission scores, and its tag where the
+    characters alone decide it (_char_class_tag; 0 where they do not). A sentence then costs one
+    dict lookup per word and one compiled search (_tag_sentence) over a few contiguous arrays.
+    Why so lean: the server tags in its front end, on the cores its engine workers decode on, and
+    every cache line the tagger touches is one they fetch again (ad hoc, 64 callers on the GRET
+    model: this lexicon in place of memoised arrays per word made the front end 0.07 core-ms a
+    text cheaper and the workers as much). A sentence's first word is analysed case-insensitively
+    (as HanTa's tag_sent does), so it has rows of its own. Bounded: past ANALYSES rows it starts
+    afresh."""
 
-    The model is a second-order HMM: a state is the pair (previous tag, tag), and a word may take
-    only the tags its analysis allows. HanTa's own search tries every one of the ~56 successor tags
-    of each live state and then discards all but the word's few; this search visits only the word's
-    tags, in the same order, with HanTa's pruning (states within 1 of the sixth best), sums and
-    tie-breaking, so the tags are the same. Tagging is the GRET model's largest cost in the
-    server's front end, so the search is compiled (_best_path) over the model as arrays (_hmm).
-    """
-    tag_ids, index, transitions = _hmm(model)
-    candidates = [_emissions(model, word, i > 0) for i, word in enumerate(words)]
-    offsets = np.cumsum([0] + [len(tags) for tags, _ in candidates])
-    tags = np.concatenate([tags for tags, _ in candidates]) if words else np.empty(0, np.int64)
-    scores = np.concatenate([scores for _, scores in candidates]) if words else np.empty(0)
-    n = len(tag_ids)
-    path = _best_path(transitions, offsets, tags, scores, index[_EMPTY] * n + index[_START], index[_END], n)
-    return tag_ids[path].tolist()
+    def __init__(self, model, upos_of: dict[int, int]):
+        self.model = model
+        tag_ids, self.index, self.transitions = _hmm(model)
+        self.upos = np.array([upos_of.get(t, X_ID) for t in tag_ids], np.int64)  # by tag index
+        self.order = [t for t in next(iter(model.LP_trans_word.values())) if t != _END]  # HanTa's order of tags
+        n = len(tag_ids)
+        self.search = (self.index[_EMPTY] * n + self.index[_START], self.index[_END], n)
+        self.clear()
+
+    def clear(self) -> None:
+        self.first: dict[str, int] = {}  # a sentence's first word -> its row
+        self.rest: dict[str, int] = {}
+        self.rows, self.used = 1, 0  # row 0 is never a word's, so a row number is true
+        self.starts, self.counts, self.overrides = (np.zeros(1024, np.int64) for _ in range(3))
+        self.tags, self.scores = np.zeros(4096, np.int64), np.zeros(4096)
+
+    def tag(self, words: list[str]) -> list[int]:
+        """UPOS ids for a tokenised sentence of at least one word."""
+        if self.rows > ANALYSES:
+            self.clear()
+        first, rest = self.first, self.rest
+        rows = [first.get(words[0]) or self._add(words[0], False)]
+        rows += [rest.get(w) or self._add(w, True) for w in words[1:]]
+        return _tag_sentence(np.array(rows), self.starts, self.counts, self.overrides, self.tags, self.scores,
+                             self.transitions, self.upos, *self.search).tolist()
+
+    def _add(self, word: str, case_sensitive: bool) -> int:
+        """The word's row: its tags in the order HanTa tries them (every state lists its successors
+        in one order). A word HanTa cannot analyse (no tag, or only its UNKNOWN, which is no
+        state's successor) may take any tag, free; so may one whose tags no state can reach, where
+        HanTa's own search would fail."""
+        clean = word[:WORD_CHARS].replace("’", "'")  # HanTa knows ASCII apostrophes only
+        emissions = dict(self.model._tag_word(clean, cutoff=5, casesensitive=case_sensitive, conditional=True))
+        pairs = [(t, emissions[t]) for t in self.order if t in emissions] or [(t, 0.0) for t in self.order]
+        row, used = self.rows, self.used + len(pairs)
+        if row == len(self.starts):
+            self.starts, self.counts, self.overrides = (_doubled(a) for a in (self.starts, self.counts, self.overrides))
+        while used > len(self.tags):
+            self.tags, self.scores = _doubled(self.tags), _doubled(self.scores)
+        self.starts[row], self.counts[row], self.overrides[row] = self.used, len(pairs), _char_class_tag(word) or 0
+        self.tags[self.used: used] = [self.index[t] for t, _ in pairs]
+        self.scores[self.used: used] = [e for _, e in pairs]
+        self.rows, self.used = row + 1, used
+        (self.rest if case_sensitive else self.first)[word] = row
+        return row
+
+
+def _doubled(a: np.ndarray) -> np.ndarray:
+    return np.concatenate([a, np.zeros_like(a)])
 
 
 _EMPTY, _START, _END = 0, 1, 2  # HanTa's reserved tag ids
@@ -177,66 +220,71 @@ def _hmm(model) -> tuple[np.ndarray, dict[int, int], np.ndarray]:
 
 
 @numba.njit(cache=True, nogil=True)
-def _best_path(transitions, offsets, tags, scores, start, end, n):
-    """_viterbi's search: word w may take tags[offsets[w]:offsets[w + 1]] (indices into the model's
-    tags, with their emission scores); a state is previous * n + tag. A row keeps its states in
-    the order they were first reached, which decides ties as HanTa's dictionaries do."""
+def _tag_sentence(rows, starts, counts, overrides, tags, scores, transitions, upos, start, end, n):
+    """The UPOS ids of HanTa's tag sequence for a sentence of Lexicon rows (a row's override
+    first): the sequence HanTa's tag_sent finds, visiting far fewer candidates.
+
+    The model is a second-order HMM: a state is the pair (previous tag, tag), previous * n + tag,
+    and a word may take only its row's tags. HanTa's own search tries every one of the ~56
+    successor tags of each live state and then discards all but the word's few; this one visits
+    only the word's, in the same order, with HanTa's pruning (states within 1 of the sixth best),
+    sums and tie-breaking, so the tags are the same. The lattice holds word w's states at
+    bounds[w + 1]:bounds[w + 2] (the start's at 0) in the order they were first reached, which
+    decides ties as HanTa's dictionaries do, each with its best predecessor's place."""
     floor = -1e6
-    row, row_lp = np.full(1, start), np.zeros(1)
-    where = np.full(n * n, -1)  # a state's place in the row being built
-    back_states, back_parents = [row], [row]  # word w's at w + 1 (the start gives the lists their type)
-    for w in range(len(offsets) - 1):
-        bound = np.sort(row_lp)[len(row) - 6] - 1 if len(row) > 5 else floor
-        size = len(row) * (offsets[w + 1] - offsets[w])
-        states, lps, parents = np.empty(size, np.int64), np.empty(size), np.empty(size, np.int64)
-        k = 0
-        for a in range(len(row)):
-            if row_lp[a] < bound:
+    words = len(rows)
+    size = 64
+    states, lps, parents = np.empty(size, np.int64), np.empty(size), np.empty(size, np.int64)
+    bounds = np.empty(words + 2, np.int64)
+    states[0], lps[0], parents[0], bounds[0], bounds[1] = start, 0.0, -1, 0, 1
+    where = np.full(n * n, -1)  # a state's place in the lattice while its word's states are built
+    for w in range(words):
+        lo, hi = bounds[w], bounds[w + 1]
+        c0 = starts[rows[w]]
+        c1 = c0 + counts[rows[w]]
+        if hi + (hi - lo) * (c1 - c0) > size:  # room for every successor
+            size = 2 * (hi + (hi - lo) * (c1 - c0))
+            states, lps, parents = _grown(states, size), _grown(lps, size), _grown(parents, size)
+        bound = np.sort(lps[lo:hi])[hi - lo - 6] - 1 if hi - lo > 5 else floor
+        k = hi
+        for a in range(lo, hi):
+            if lps[a] < bound:
                 continue
-            previous = row[a] % n
-            for c in range(offsets[w], offsets[w + 1]):
-                lp = row_lp[a] + transitions[row[a], tags[c]] + scores[c]
+            previous = states[a] % n
+            for c in range(c0, c1):
+                lp = lps[a] + transitions[states[a], tags[c]] + scores[c]
                 if not lp > floor:  # no such transition (-inf), or too unlikely
                     continue
                 nxt = previous * n + tags[c]
                 at = where[nxt]
                 if at < 0:
-                    where[nxt], states[k], lps[k], parents[k] = k, nxt, lp, row[a]
+                    where[nxt], states[k], lps[k], parents[k] = k, nxt, lp, a
                     k += 1
                 elif lp > lps[at]:
-                    lps[at], parents[at] = lp, row[a]
-        where[states[:k]] = -1
-        row, row_lp = states[:k], lps[:k]
-        back_states.append(row)
-        back_parents.append(parents[:k])
-    if not len(row):
+                    lps[at], parents[at] = lp, a
+        for i in range(hi, k):
+            where[states[i]] = -1
+        bounds[w + 2] = k
+    lo, hi = bounds[words], bounds[words + 1]
+    if hi == lo:
         raise ValueError("no tag sequence reaches the end of the sentence")
-    best = 0  # the first of equals, as HanTa
-    for a in range(1, len(row)):
-        if row_lp[a] + transitions[row[a], end] > row_lp[best] + transitions[row[best], end]:
+    best = lo  # the first of equals, as HanTa
+    for a in range(lo + 1, hi):
+        if lps[a] + transitions[states[a], end] > lps[best] + transitions[states[best], end]:
             best = a
-    state, path = row[best], np.empty(len(offsets) - 1, np.int64)
-    for w in range(len(offsets) - 2, -1, -1):
-        path[w] = state % n
-        states = back_states[w + 1]
-        for i in range(len(states)):
-            if states[i] == state:
-                state = back_parents[w + 1][i]
-                break
-    return path
+    out = np.empty(words, np.int64)
+    for w in range(words - 1, -1, -1):
+        override = overrides[rows[w]]
+        out[w] = override if override else upos[states[best] % n]
+        best = parents[best]
+    return out
 
 
-@functools.lru_cache(maxsize=ANALYSES)
-def _emissions(model, word: str, case_sensitive: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(the model's tag indices (_hmm), their log emission scores) for each tag the word may take,
-    in the order HanTa tries them (every state lists its successors in one order). A word HanTa
-    cannot analyse (no tag, or only its UNKNOWN, which is no state's successor) may take any tag,
-    free; so may one whose tags no state can reach, where HanTa's own search would fail."""
-    emissions = dict(model._tag_word(word, cutoff=5, casesensitive=case_sensitive, conditional=True))
-    order = [t for t in next(iter(model.LP_trans_word.values())) if t != _END]
-    pairs = [(t, emissions[t]) for t in order if t in emissions] or [(t, 0.0) for t in order]
-    index = _hmm(model)[1]
-    return np.array([index[t] for t, _ in pairs], np.int64), np.array([e for _, e in pairs], np.float64)
+@numba.njit(cache=True, nogil=True)
+def _grown(a, size):
+    out = np.empty(size, a.dtype)
+    out[: len(a)] = a
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,6 +332,7 @@ class Tagger:
             self._model = _hanta(filename)
             self._hanta_upos = {i: self._to_id(_HANTA_BRACKETS.sub(r"\1", tag), table)
                                 for i, tag in self._model.int2tag.items()}
+            self._lexicon = Lexicon(self._model, self._hanta_upos)
 
     def tag_words(self, words: list[str]) -> list[int]:
         """UPOS ids for an already tokenised sentence (same length)."""
@@ -294,11 +343,8 @@ class Tagger:
             flags = [max(self._posseg.cut(w), key=lambda p: len(p.word), default=None)
                      for w in words]
             raw = [self._to_id(p.flag if p else "x", JIEBA_TO_UPOS) for p in flags]
-        else:
-            # HanTa knows ASCII apostrophes only.
-            clean = [w[:WORD_CHARS].replace("’", "'") for w in words]
-            raw = [self._hanta_upos[t] for t in _viterbi(self._model, clean)]
-        return [_char_class_tag(w) or t for w, t in zip(words, raw)]
+            return [_char_class_tag(w) or t for w, t in zip(words, raw)]
+        return self._lexicon.tag(words)
 
     def tag_text(self, text: str) -> list[tuple[int, int, int]]:
         """(begin, end, upos_id) for each word of raw text; char offsets."""
