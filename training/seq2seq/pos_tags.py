@@ -156,6 +156,7 @@ class Lexicon:
         self.upos = np.array([upos_of.get(t, X_ID) for t in tag_ids], np.int64)  # by tag index
         self.order = [t for t in next(iter(model.LP_trans_word.values())) if t != _END]  # HanTa's order of tags
         n = len(tag_ids)
+        self.where = np.full(n * n, -1)  # _tag_sentence's
         self.search = (self.index[_EMPTY] * n + self.index[_START], self.index[_END], n)
         self.clear()
 
@@ -174,7 +175,7 @@ class Lexicon:
         rows = [first.get(words[0]) or self._add(words[0], False)]
         rows += [rest.get(w) or self._add(w, True) for w in words[1:]]
         return _tag_sentence(np.array(rows), self.starts, self.counts, self.overrides, self.tags, self.scores,
-                             self.transitions, self.upos, *self.search).tolist()
+                             self.transitions, self.upos, self.where, *self.search).tolist()
 
     def _add(self, word: str, case_sensitive: bool) -> int:
         """The word's row: its tags in the order HanTa tries them (every state lists its successors
@@ -219,8 +220,8 @@ def _hmm(model) -> tuple[np.ndarray, dict[int, int], np.ndarray]:
     return np.array(tag_ids), index, table
 
 
-@numba.njit(cache=True, nogil=True)
-def _tag_sentence(rows, starts, counts, overrides, tags, scores, transitions, upos, start, end, n):
+@numba.njit(cache=True)  # holding the GIL: the callers' `where` is one buffer for all threads
+def _tag_sentence(rows, starts, counts, overrides, tags, scores, transitions, upos, where, start, end, n):
     """The UPOS ids of HanTa's tag sequence for a sentence of Lexicon rows (a row's override
     first): the sequence HanTa's tag_sent finds, visiting far fewer candidates.
 
@@ -230,14 +231,14 @@ def _tag_sentence(rows, starts, counts, overrides, tags, scores, transitions, up
     only the word's, in the same order, with HanTa's pruning (states within 1 of the sixth best),
     sums and tie-breaking, so the tags are the same. The lattice holds word w's states at
     bounds[w + 1]:bounds[w + 2] (the start's at 0) in the order they were first reached, which
-    decides ties as HanTa's dictionaries do, each with its best predecessor's place."""
+    decides ties as HanTa's dictionaries do, each with its best predecessor's place. `where`
+    (n * n, all -1) gives a state's place while its word's states are built, and is left as it came."""
     floor = -1e6
     words = len(rows)
     size = 64
     states, lps, parents = np.empty(size, np.int64), np.empty(size), np.empty(size, np.int64)
     bounds = np.empty(words + 2, np.int64)
     states[0], lps[0], parents[0], bounds[0], bounds[1] = start, 0.0, -1, 0, 1
-    where = np.full(n * n, -1)  # a state's place in the lattice while its word's states are built
     for w in range(words):
         lo, hi = bounds[w], bounds[w + 1]
         c0 = starts[rows[w]]
@@ -245,7 +246,7 @@ def _tag_sentence(rows, starts, counts, overrides, tags, scores, transitions, up
         if hi + (hi - lo) * (c1 - c0) > size:  # room for every successor
             size = 2 * (hi + (hi - lo) * (c1 - c0))
             states, lps, parents = _grown(states, size), _grown(lps, size), _grown(parents, size)
-        bound = np.sort(lps[lo:hi])[hi - lo - 6] - 1 if hi - lo > 5 else floor
+        bound = _sixth_largest(lps[lo:hi]) - 1 if hi - lo > 5 else floor
         k = hi
         for a in range(lo, hi):
             if lps[a] < bound:
@@ -278,6 +279,20 @@ def _tag_sentence(rows, starts, counts, overrides, tags, scores, transitions, up
         out[w] = override if override else upos[states[best] % n]
         best = parents[best]
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _sixth_largest(values):
+    """np.sort(values)[-6] without sorting: the six largest so far, largest first."""
+    top = np.full(6, -np.inf)
+    for v in values:
+        if v > top[5]:
+            i = 5
+            while i > 0 and v > top[i - 1]:
+                top[i] = top[i - 1]
+                i -= 1
+            top[i] = v
+    return top[5]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -350,24 +365,31 @@ class Tagger:
         """(begin, end, upos_id) for each word of raw text; char offsets."""
         if self.lang == "zh":
             return self._tag_text_zh(text)
-        spans = self.tokenize(text)
-        ids = self.tag_words([text[b:e] for b, e in spans])
-        return [(b, e, t) for (b, e), t in zip(spans, ids)]
+        words, spans = self._split(text)
+        return [(b, e, t) for (b, e), t in zip(spans, self.tag_words(words))]
 
     def tokenize(self, text: str) -> list[tuple[int, int]]:
         """Word spans (char offsets) for HanTa: words, numbers, punctuation."""
-        spans = []
+        return self._split(text)[1]
+
+    def _split(self, text: str) -> tuple[list[str], list[tuple[int, int]]]:
+        """tokenize's words and their spans."""
+        words, spans = [], []
+        english = self.lang == "en"
         for m in _TOKEN_RE.finditer(text):
-            word, b, e = m.group(), m.start(), m.end()
-            if _is_invisible(word):
+            word = m.group()
+            if len(word) == 1 and _is_invisible(word):  # a longer match holds \w, which is never invisible
                 continue
-            clitic = _EN_CLITIC_RE.match(word) if self.lang == "en" else None
+            b, e = m.span()
+            clitic = _EN_CLITIC_RE.match(word) if english else None
             if clitic:
                 cut = b + clitic.end(1)
+                words += [text[b:cut], text[cut:e]]
                 spans += [(b, cut), (cut, e)]
             else:
+                words.append(word)
                 spans.append((b, e))
-        return spans
+        return words, spans
 
     def _tag_text_zh(self, text: str) -> list[tuple[int, int, int]]:
         # jieba segments and tags in one go; find each word's offsets.
