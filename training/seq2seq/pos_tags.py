@@ -187,19 +187,17 @@ class Lexicon:
         pairs = [(t, emissions[t]) for t in self.order if t in emissions] or [(t, 0.0) for t in self.order]
         row, used = self.rows, self.used + len(pairs)
         if row == len(self.starts):
-            self.starts, self.counts, self.overrides = (_doubled(a) for a in (self.starts, self.counts, self.overrides))
-        while used > len(self.tags):
-            self.tags, self.scores = _doubled(self.tags), _doubled(self.scores)
+            self.starts, self.counts, self.overrides = (_grown(a, 2 * row)
+                                                        for a in (self.starts, self.counts, self.overrides))
+        if used > len(self.tags):
+            size = max(2 * len(self.tags), used)
+            self.tags, self.scores = _grown(self.tags, size), _grown(self.scores, size)
         self.starts[row], self.counts[row], self.overrides[row] = self.used, len(pairs), _char_class_tag(word) or 0
         self.tags[self.used: used] = [self.index[t] for t, _ in pairs]
         self.scores[self.used: used] = [e for _, e in pairs]
         self.rows, self.used = row + 1, used
         (self.rest if case_sensitive else self.first)[word] = row
         return row
-
-
-def _doubled(a: np.ndarray) -> np.ndarray:
-    return np.concatenate([a, np.zeros_like(a)])
 
 
 _EMPTY, _START, _END = 0, 1, 2  # HanTa's reserved tag ids
@@ -297,6 +295,7 @@ def _sixth_largest(values):
 
 @numba.njit(cache=True, nogil=True)
 def _grown(a, size):
+    """a's values in a longer array (the rest unset): the search's lattice and the Lexicon's rows."""
     out = np.empty(size, a.dtype)
     out[: len(a)] = a
     return out
