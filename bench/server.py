@@ -583,7 +583,7 @@ async def backlog_round(stub, model: str, backlog: list[str], probes, plan: Back
                                                        timeout=CALL_TIMEOUT):
                 answered += len(response.results)
         except grpc.aio.AioRpcError as e:
-            code = e.code().name
+            code = f"{e.code().name}: {e.details()}"
         return answered, code, time.perf_counter()
 
     n = plan.texts_per_stream
