@@ -46,7 +46,7 @@ from server.engine.sequence import Sequence
 from training.corpora import PROJECT_ROOT, load_examples
 from training.metrics import bleu
 from training.seq2seq import search
-from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint, load_target_pieces
 from training.decode import source_inputs
 from training.seq2seq.inputs import pad
 
@@ -174,7 +174,7 @@ def build_systems(checkpoint: Path, gret: Path | None, build: Path, threads: int
 def export(checkpoint: Path, out: Path, fmt: str) -> Path:
     """A repository with fp32 + int8, reused when it was built from the same weights."""
     stamp = out / "weights.sha256"
-    weights = sha256(checkpoint / WEIGHTS) + export_digest(load_checkpoint(checkpoint)[1].model)
+    weights = sha256(checkpoint / WEIGHTS) + export_digest(load_checkpoint(checkpoint)[1].model, load_target_pieces(checkpoint))
     if not (stamp.exists() and stamp.read_text() == weights):
         write_repository(checkpoint, out, fmt=fmt, quantize="int8", overwrite=True)
         stamp.write_text(weights)

@@ -385,11 +385,14 @@ def ceiling(data: dict, ct2_ms: float, floor: float | None, served: float | None
                f"engine, in its larger batches, {offline:.2f})")
     result = data["medians"]["server_vs_ct2"]
     bound = ct2_ms / (engine + floor)
+    needed = ct2_ms - floor  # the engine's CPU per text at which the bound is 1.0
+    margin = (f"{engine / needed:.2f}× faster than this one" if engine > needed else
+              f"which this one is {needed / engine:.2f}× below")
     return (f"The bound on this machine: {reading} and gRPC's floor {floor:.2f} ms per call (client and service), "
             f"so a server adding nothing else would cost {engine + floor:.2f} core-ms per text against "
             f"CTranslate2's {ct2_ms:.2f}, a ratio of {bound:.2f} at best, with the client on the same cores. The "
             f"server's {result} is {result / bound:.0%} of that bound; 1.0 needs an engine of at most "
-            f"{ct2_ms - floor:.2f} core-ms per text, {engine / (ct2_ms - floor):.2f}× faster than this one.")
+            f"{needed:.2f} core-ms per text, {margin}.")
 
 
 def step_section(data: dict, results: Path, out: Path) -> str:

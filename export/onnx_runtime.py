@@ -244,8 +244,12 @@ class OnnxModel:
         self.cfg = ModelConfig.from_dict(self.manifest["model_config"])
         self.device = torch.device(device or default_device())
         files = precisions[precision]
+        pieces = self.manifest["onnx"].get("output_pieces", {}).get(precision)
+        # the pieces the decoders write, one per column (export.quantize.trim_output); None: every piece
+        self.pieces = None if pieces is None else np.asarray(pieces, np.int64)
+        columns = None if self.pieces is None else len(self.pieces)
         self.graphs = {spec.name: OnnxGraph(directory / files[spec.name], spec, self.device, threads)
-                       for spec in model_specs(self.cfg)}
+                       for spec in model_specs(self.cfg, columns)}
         self.encoder, self.decoder = self.graphs["encoder"], self.graphs["decoder"]
         self.decoders = {c: self.graphs[decoder_name(c)] for c in range(1, SOURCE_CLASSES + 1)}  # by length classes
         self.local = threading.local()  # this thread's last StepLayout, as its bindings are its own
@@ -283,20 +287,34 @@ class OnnxModel:
         """One decoder step for rows at their own positions (continuous batching), as Seq2Seq.step:
         log-probabilities (R, V); this step's K/V are written into `cache` in place.
         A copy: the step's outputs last only until the next step."""
-        return self._step(tokens, positions, row_sentence, enc, cache)["log_probs"].clone()
+        log_probs = self._step(tokens, positions, row_sentence, enc, cache)["log_probs"]
+        return log_probs.clone() if self.pieces is None else self.vocabulary(log_probs)
+
+    def vocabulary(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """A step's log-probabilities over the whole vocabulary, indexed by piece: a piece the decoder
+        does not write (self.pieces) has -inf. The search's constraints (a target prefix, min_length,
+        no_repeat_ngram) ban or force pieces by id."""
+        if self.pieces is None:
+            return log_probs
+        full = log_probs.new_full((len(log_probs), self.cfg.vocab_size), float("-inf"))
+        full[:, torch.from_numpy(self.pieces)] = log_probs
+        return full
 
     def step_top(self, tokens: torch.Tensor, positions: torch.Tensor, row_sentence: torch.Tensor,
                  enc: EncoderState | tuple, cache: list,
                  top_k: int) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray]]:
-        """step(), plus each row's top_k best log-probabilities and tokens (R, top_k) as NumPy arrays,
-        best first (training.seq2seq.beam.row_top_k, from the graph's block maxima: a few blocks of
-        each row are read, not the whole row). All are this thread's own, overwritten by its next
-        step."""
+        """The step's log-probabilities (R, columns: the pieces it writes, self.pieces, or the whole
+        vocabulary; vocabulary() widens them), and each row's top_k best log-probabilities and pieces
+        (R, top_k) as NumPy arrays, best first (training.seq2seq.beam.row_top_k, from the graph's
+        block maxima: a few blocks of each row are read, not the whole row). All are this thread's
+        own, overwritten by its next step."""
         outputs = self._step(tokens, positions, row_sentence, enc, cache)
         log_probs = outputs["log_probs"]
         if self.device.type != "cpu":
-            return log_probs, host_top_k(log_probs, top_k)
-        return log_probs, self._top(log_probs, outputs["block_max"], top_k)
+            top = host_top_k(log_probs, top_k)
+        else:
+            top = self._top(log_probs, outputs["block_max"], top_k)
+        return log_probs, top if self.pieces is None else (top[0], self.pieces[top[1]])
 
     def _top(self, log_probs: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """top_k_arrays over NumPy views of the step's log_probs and block maxima, into arrays kept by

@@ -22,14 +22,14 @@ import onnxruntime
 import torch
 from safetensors import safe_open
 
-from training.seq2seq.checkpoint import SPM, WEIGHTS, load_checkpoint
+from training.seq2seq.checkpoint import SPM, WEIGHTS, load_checkpoint, load_target_pieces
 from training.seq2seq.config import Checkpoint
 
 from .ct2_export import check_ct2_compatible, export_ct2
 from .manifest import build_manifest, onnx_section, sha256, write_manifest
 from .onnx_export import export_onnx
 from .quantize import QUANTIZATIONS, quantize_int8, quantized_name
-from .spec import model_specs
+from .spec import SOURCE_CLASSES, decoder_name, model_specs
 
 FORMATS = ("onnx", "ct2")
 CT2_FOLDERS = {"fp32": "ct2", "int8": "ct2.int8"}  # precision -> folder in the repository
@@ -81,8 +81,8 @@ def write_repository(checkpoint: Path, out: Path, *, fmt: str = "onnx", quantize
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        write_backend = _write_ct2 if fmt == "ct2" else _write_onnx
-        section, tools = write_backend(model, sp, staging, quantize)
+        section, tools = (_write_ct2(model, sp, staging, quantize) if fmt == "ct2" else
+                          _write_onnx(model, sp, staging, quantize, load_target_pieces(checkpoint)))
         shutil.copyfile(checkpoint / SPM, staging / SPM)
         manifest = build_manifest(
             name=name or out.name, version=version or weights_sha[:12], ckpt=ckpt, checkpoint_dir=checkpoint,
@@ -99,17 +99,23 @@ def write_repository(checkpoint: Path, out: Path, *, fmt: str = "onnx", quantize
     return manifest
 
 
-def _write_onnx(model, sp, staging: Path, quantize: str | None) -> tuple[dict, dict]:
+def _write_onnx(model, sp, staging: Path, quantize: str | None, pieces: list[int] | None) -> tuple[dict, dict]:
+    """`pieces`: the checkpoint's target pieces, the only columns of the quantized decoders' output
+    layer (export.quantize.trim_output), listed in the manifest."""
     paths = export_onnx(model, staging)
     precisions = {"fp32": {g: p.name for g, p in paths.items()}}
+    decoders = {decoder_name(c) for c in range(1, SOURCE_CLASSES + 1)}
     if quantize:
         precisions[quantize] = {}
         for graph, path in paths.items():
             target = quantized_name(path, quantize)
-            quantize_int8(path, target)
+            quantize_int8(path, target, pieces if graph in decoders else None)
             precisions[quantize][graph] = target.name
     tools = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
-    return onnx_section(model_specs(model.cfg), precisions), tools
+    section = onnx_section(model_specs(model.cfg), precisions)
+    if quantize and pieces is not None:
+        section["output_pieces"] = {quantize: pieces}
+    return section, tools
 
 
 def _write_ct2(model, sp, staging: Path, quantize: str | None) -> tuple[dict, dict]:

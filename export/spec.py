@@ -135,37 +135,41 @@ def decoder_name(classes: int) -> str:
     return "decoder" if classes == 1 else f"decoder{classes}"
 
 
-def decoder_spec(cfg: ModelConfig, classes: int = 1) -> GraphSpec:
+def decoder_spec(cfg: ModelConfig, classes: int = 1, columns: int | None = None) -> GraphSpec:
+    """`columns`: the output layer's, where it writes only a model's target pieces
+    (training.target_pieces; export.quantize.trim_output); else the whole vocabulary."""
     heads, d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
+    columns = columns or cfg.vocab_size
     inputs = [TensorSpec("tokens", "int64", ("rows",)),
               TensorSpec("positions", "int64", ("rows",))]
     if cfg.gret:  # only GRET's per-sentence s^M and Gs are gathered per row
         inputs.append(TensorSpec("row_sentence", "int64", ("rows",)))
     inputs.append(TensorSpec("row_slot", "int64", ("rows",)))
     inputs += [t for c in range(classes) for t in class_inputs(cfg, c)]
-    outputs = [TensorSpec("log_probs", "float32", ("rows", cfg.vocab_size))]
+    outputs = [TensorSpec("log_probs", "float32", ("rows", columns))]
     for i in range(cfg.dec_layers):
         inputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in past_names(i)]
         outputs += [TensorSpec(n, "float32", ("rows", heads, "past_len", d_head)) for n in present_names(i)]
     # The maxima of the log-probabilities' blocks (training.seq2seq.beam.block_maxima): one vectorised
     # pass inside the step, after which each row's best tokens are looked for in a few blocks only.
-    outputs.append(TensorSpec("block_max", "float32", ("rows", -(-cfg.vocab_size // TOP_K_BLOCK))))
+    outputs.append(TensorSpec("block_max", "float32", ("rows", -(-columns // TOP_K_BLOCK))))
     weights = ["embed.", "dec_norm.", "context_gate.w_r."]
     weights += [f"decoder.{i}.{part}." for i in range(cfg.dec_layers) for part in DECODER_LAYER_PARTS]
     return GraphSpec(decoder_name(classes), tuple(inputs), tuple(outputs), tuple(weights))
 
 
-def model_specs(cfg: ModelConfig) -> tuple[GraphSpec, ...]:
-    """The graphs of a repository, in the order a source goes through them."""
-    decoders = tuple(decoder_spec(cfg, classes) for classes in range(1, SOURCE_CLASSES + 1))
+def model_specs(cfg: ModelConfig, columns: int | None = None) -> tuple[GraphSpec, ...]:
+    """The graphs of a repository, in the order a source goes through them (`columns`: decoder_spec's)."""
+    decoders = tuple(decoder_spec(cfg, classes, columns) for classes in range(1, SOURCE_CLASSES + 1))
     return (encoder_spec(cfg),) + ((global_spec(cfg),) if cfg.capsule else ()) + decoders
 
 
-def export_digest(cfg: ModelConfig) -> str:
-    """8 hex digits that change with the graphs' signature or the code that builds them: exported
-    repositories are cached under it, so new code never serves an old export."""
+def export_digest(cfg: ModelConfig, pieces: list[int] | None = None) -> str:
+    """8 hex digits that change with the graphs' signature, the target pieces the int8 decoders
+    write (training.target_pieces) or the code that builds them: exported repositories are cached
+    under it, so new code never serves an old export."""
     shapes = [(g.name, [(t.name, t.dtype, t.shape) for t in g.inputs + g.outputs]) for g in model_specs(cfg)]
-    digest = hashlib.sha256(json.dumps(shapes).encode())
+    digest = hashlib.sha256(json.dumps([shapes, pieces]).encode())
     for path in export_sources():
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]

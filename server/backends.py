@@ -3,11 +3,14 @@
     cfg                                   the ModelConfig
     encode(src (B, S), tags | None)       -> EncoderState, one entry per sentence
     step_top(tokens, positions, row_sentence, enc, cache, top_k)
-                                          -> log-probabilities (R, V), each row's top_k best
+                                          -> log-probabilities (R, columns), each row's top_k best
                                              (log-probabilities, tokens) (R, top_k) as NumPy arrays
                                              on the host (where the search runs), valid until the
                                              next step; this step's keys and values are written into
                                              the cache in place
+    vocabulary(log_probs)                 -> the log-probabilities over the whole vocabulary (R, V):
+                                             an int8 ONNX decoder writes only the model's target
+                                             pieces (training.target_pieces), the others have -inf
 
 ONNX Runtime (the default; export/onnx_runtime.py; CPU) and PyTorch (the reference: the model's own
 modules, eager; on the CPU, or on a GPU with the Triton kernels through kernels.dispatch). A backend's
@@ -51,6 +54,10 @@ class TorchBackend:
         on = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731  (a no-op on the CPU)
         log_probs = self.model.step(on(tokens), on(positions), on(row_sentence), enc, cache)
         return log_probs, host_top_k(log_probs.float(), top_k)
+
+    @staticmethod
+    def vocabulary(log_probs: torch.Tensor) -> torch.Tensor:
+        return log_probs  # every piece has its column already
 
 
 class OnnxBackend(OnnxModel):

@@ -25,7 +25,7 @@ from typing import Callable
 from export.manifest import MANIFEST, TASKS, read_manifest, sha256
 from export.repository import RepositoryError, check_checkpoint, write_repository
 from export.spec import export_digest
-from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint
+from training.seq2seq.checkpoint import WEIGHTS, load_checkpoint, load_target_pieces
 from training.seq2seq.config import Checkpoint, ModelConfig
 from training.seq2seq.inputs import INPUT_STYLES, input_style, load_sentencepiece
 
@@ -153,7 +153,7 @@ def build_repository(checkpoint: Path, cache: Path, verify: Callable[[Path, Path
     refuse the build. A checkpoint CTranslate2 cannot hold is refused with export's reason."""
     key = sha256(checkpoint / WEIGHTS)[:12]
     try:
-        graphs = export_digest(Checkpoint.load(checkpoint).model)
+        graphs = export_digest(Checkpoint.load(checkpoint).model, load_target_pieces(checkpoint))
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{checkpoint / 'config.json'}: {e}") from e
     repo = cache / f"{checkpoint.name}-{key}-{fmt}-{graphs}"

@@ -3,6 +3,7 @@ text gets exactly what the offline beam search (training.seq2seq.search) gives i
 expired texts leave the batch at the next step; the encoder cache skips repeated sources."""
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from server.engine.encoder_cache import EncoderCache
-from server.backends import TorchBackend
+from export.repository import write_repository
+from server.backends import OnnxBackend, TorchBackend
 from server.engine.batch import banned_tokens, fork_slots
 from server.engine.engine import (CAPSULE_ADMISSION_INTERVAL, ENCODE_PIECES, Draining, Engine, Replicas,
                                   admission_interval, encoder_passes)
@@ -19,7 +21,10 @@ from server.engine.scheduler import BUSY_TEXTS, QueueFull, Scheduler, batch_cost
 from server.engine.result_cache import ResultCache, result_key
 from server.engine.sequence import CANCELLED, DEADLINE, OK, Hypothesis, Sequence
 from tests.architectures import perturb, random_batch, tiny_config
+from training.corpora import PROJECT_ROOT
 from training.seq2seq import search
+from training.seq2seq.checkpoint import TARGET_PIECES, save_checkpoint
+from training.seq2seq.config import Checkpoint, DataConfig
 from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
@@ -344,6 +349,34 @@ def test_a_target_prefix_is_forced_in_the_running_batch_as_in_offline_search(nam
     assert [h.tokens[:3] for h in seqs[5].hypotheses] == [[6, 7, 8]] * 2  # one step of its own: n-best all the same
     assert all(len(h.tokens) <= 4 for h in seqs[5].hypotheses)
     assert engine.batch.constrained == 0
+
+
+def test_where_the_int8_decoder_writes_only_the_target_pieces_texts_get_only_those_and_constraints_still_hold(
+        tmp_path):
+    """An int8 repository whose decoders write only the checkpoint's target pieces (export.quantize.
+    trim_output): the texts of one running batch, with and without constraints, write only those
+    pieces after their prefix, a prefix is forced even where it holds other pieces, min_length and
+    no_repeat_ngram hold."""
+    model = perturb(Seq2Seq(tiny_config("vanilla", vocab_size=192)))
+    pieces = sorted({model.cfg.eos_id} | set(range(4, 4 + 2 * 63, 2)))  # even ids: the odd ones are not written
+    save_checkpoint(tmp_path / "ckpt", model, Checkpoint(model.cfg, DataConfig()),
+                    (PROJECT_ROOT / "models" / "multi30k-de-en-vanilla" / "spm.model").read_bytes())
+    (tmp_path / "ckpt" / TARGET_PIECES).write_text(json.dumps({"pieces": pieces}))
+    write_repository(tmp_path / "ckpt", tmp_path / "repo", quantize="int8")
+    engine = Engine(OnnxBackend(tmp_path / "repo", "int8"), "v1", Scheduler(), EncoderCache(1 << 24))
+    options = [DecodingOptions(beam=4, n_best=2), DecodingOptions(beam=2, prefix=(5, 9)),
+               DecodingOptions(beam=2, min_length=10, max_len_b=20), DecodingOptions(beam=3, no_repeat_ngram=2)]
+    seqs = [make_seq(model, src, o) for src, o in zip(sources(model, [6, 4, 7, 5], seed=3), options)]
+    engine.submit(seqs)
+    engine.run_until_idle()
+    assert all(s.status == OK and s.hypotheses for s in seqs)
+    for seq, opt in zip(seqs, options):
+        for h in seq.hypotheses:
+            assert h.tokens[:len(opt.prefix)] == list(opt.prefix)
+            assert set(h.tokens[len(opt.prefix):]) <= set(pieces)
+    assert len(seqs[2].hypotheses[0].tokens) >= 10
+    tokens = seqs[3].hypotheses[0].tokens
+    assert len(set(zip(tokens, tokens[1:]))) == len(tokens) - 1
 
 
 def test_a_prefix_wins_over_no_repeat_ngram_and_min_length_counts_it():

@@ -21,6 +21,7 @@ import torch
 from export.__main__ import main as export_main
 from export.manifest import MANIFEST, read_manifest, sha256
 from export.onnx_export import ExportError, export_onnx, signature_errors
+from export.repository import write_repository
 from export import onnx_runtime
 from export.onnx_runtime import OnnxModel, beam_search, greedy
 from export.spec import decoder_spec, encoder_spec, export_sources, model_specs
@@ -29,10 +30,11 @@ from training.corpora import load_examples
 from training.data import train_sentencepiece
 from training.seq2seq import search
 from training.seq2seq.beam import block_maxima, row_top_k
-from training.seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from training.seq2seq.checkpoint import TARGET_PIECES, load_checkpoint, save_checkpoint
 from training.seq2seq.config import Checkpoint, DataConfig
 from training.decode import source_inputs
-from training.seq2seq.inputs import pad
+from training.seq2seq.inputs import EOS, load_sentencepiece, pad
+from training.target_pieces import target_pieces
 from training.seq2seq.model import Seq2Seq
 
 torch.set_num_threads(1)
@@ -382,6 +384,50 @@ def test_int8_quantizes_every_weight_matmul_and_the_gret_graphs_run(tmp_path, sp
     log_probs8, _ = int8.decode_step(tokens, 0, enc8, None)
     for got, expected in ((enc8.global_state, enc.global_state), (log_probs8, log_probs)):
         assert (got - expected).norm() < 0.1 * expected.norm()
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gret_full", "multiview_gca"])
+def test_int8_decoders_over_the_target_pieces_rank_them_as_the_whole_vocabulary_does(name, tmp_path, spm_bytes):
+    """A checkpoint that names its target pieces (training.target_pieces) gets int8 decoders whose
+    output layer has only their columns: per row, the same log-probabilities as the whole int8
+    vocabulary's over those pieces, renormalised (one shift per row), so the same best pieces in
+    the same order; the tokens step_top gives are piece ids, and vocabulary() puts -inf on every
+    other piece. The fp32 graphs keep the whole vocabulary (they are the reference)."""
+    torch.manual_seed(0)
+    model = perturb(Seq2Seq(tiny_config(name, vocab_size=192)))
+    pieces = sorted({model.cfg.eos_id} | set(range(4, 4 + 2 * 63, 2)))  # 64: one whole block
+    for folder, named in (("whole", None), ("trimmed", pieces)):
+        save_checkpoint(tmp_path / folder, model, Checkpoint(model.cfg, DataConfig()), spm_bytes)
+        if named:
+            (tmp_path / folder / TARGET_PIECES).write_text(json.dumps({"pieces": named}))
+        write_repository(tmp_path / folder, tmp_path / f"{folder}-repo", quantize="int8")
+    whole, trimmed = (OnnxModel(tmp_path / f"{f}-repo", precision="int8") for f in ("whole", "trimmed"))
+    assert OnnxModel(tmp_path / "trimmed-repo").pieces is None  # fp32
+    src, tags = random_batch(model.cfg, [6, 4])
+    tokens, positions, cache = step_case(model.cfg, [0, 0, 1, 1])
+    steps = [m.step_top(tokens, positions, torch.tensor([0, 0, 1, 1]), m.encode(src, tags),
+                        [(k.clone(), v.clone()) for k, v in cache], 4) for m in (whole, trimmed)]
+    (full, _), (kept, (values, top)) = steps
+    assert kept.shape == (4, 64)
+    shift = kept - full[:, pieces]
+    torch.testing.assert_close(shift, shift[:, :1].expand_as(shift), atol=1e-5, rtol=0)
+    assert (shift[:, 0] > 0).all()  # the other pieces' share is gone
+    best = full[:, pieces].topk(4)
+    assert (top == np.array(pieces)[best.indices.numpy()]).all()
+    np.testing.assert_allclose(values, kept.topk(4).values.numpy(), rtol=0, atol=0)
+    widened = trimmed.vocabulary(kept)
+    assert torch.equal(widened[:, pieces], kept)
+    assert torch.isinf(widened).sum() == 4 * (model.cfg.vocab_size - 64)
+
+
+def test_target_pieces_are_every_piece_of_the_training_targets_and_eos_in_whole_blocks(spm_bytes):
+    sp = load_sentencepiece(spm_bytes)
+    targets = [e.target for e in load_examples("multi30k", "train", "de", "en")[:50]]
+    pieces = target_pieces(sp, targets, 1000)
+    written = {p for t in targets for p in sp.encode(t)} | {EOS}
+    assert written <= set(pieces) and pieces == sorted(set(pieces)) and len(pieces) % 64 == 0
+    assert len(pieces) - len(written) < 64  # filled up to the block, no further
+    assert target_pieces(sp, targets, 100) == list(range(100))  # a vocabulary below the block keeps every piece
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -33,7 +33,7 @@ EVALUATION = {"training.corpora", "training.metrics"}
 TRAINING_LOOP = {"training.train", "training.distributed"}
 TRAINING_DATA = {"training.data"}
 RESEARCH_TOOLING = {"training.decode", "training.translate", "training.evaluate", "training.ship", "training.study",
-                    "training.gret_probe", "training.demo"}
+                    "training.gret_probe", "training.demo", "training.target_pieces"}
 FORBIDDEN = TRAINING_LOOP | TRAINING_DATA | RESEARCH_TOOLING
 SERVING_CODE = ("server", "export")  # the packages whose every import the rule covers
 

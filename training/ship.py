@@ -1,5 +1,6 @@
-"""Ship a trained checkpoint into models/NAME: fp16 weights, the vocabulary, metrics measured
-here by beam search, and a model card that says how to reproduce it.
+"""Ship a trained checkpoint into models/NAME: fp16 weights, the vocabulary, the pieces its training
+targets hold (training.target_pieces), metrics measured here by beam search, and a model card that
+says how to reproduce it.
 
 python -m training.ship --checkpoint runs/X --out models/NAME [--beam 4]"""
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .metrics import bleu, chrf, rouge
 from .seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from .seq2seq.config import Checkpoint
 from .seq2seq.inputs import INPUT_STYLES, input_style
+from .target_pieces import write_target_pieces
 from .train import parse_args
 
 EVAL_SPLITS = {"multi30k": ("val", "test_2016_flickr", "test_2017_flickr"), "gigaword": ("valid",),
@@ -89,7 +91,7 @@ def serving_section(name: str) -> list[str]:
     ]
 
 
-def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, commands: list[str]) -> str:
+def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, commands: list[str], pieces: dict) -> str:
     data, tr = ckpt.data, ckpt.training
     m = ckpt.model
     arch = ", ".join(k for k in ("capsule", "aggregate", "gate") if getattr(m, k)) or "vanilla"
@@ -115,6 +117,9 @@ def model_card(name: str, ckpt, n_params: int, metrics: dict, beam: int, command
            f"weights sha256 {parent.get('weights_sha256', 'not recorded')[:12]}), which the first commands below "
            "rebuild."] if (parent := tr.get("init_from")) else []),
         "- Weights: fp16 safetensors (`model.safetensors`), `config.json`, `spm.model`.",
+        f"- Target pieces: `target_pieces.json`, the {pieces['kept']} of {m.vocab_size} pieces that the training "
+        "targets hold (filled up to whole blocks of 64): the int8 decoders write only those "
+        "(`training.target_pieces`).",
         *([f"- Input: the server and `training.translate` bring plain text into the style of {data.dataset}'s text "
            f"before tokenising it (`training.seq2seq.inputs.{INPUT_STYLES[style].__name__}`); "
            "the outputs are in that style too."]
@@ -150,6 +155,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     model, ckpt, sp = load_checkpoint(args.checkpoint)
     save_checkpoint(args.out, model, ckpt, sp.serialized_model_proto(), dtype=torch.float16)
+    pieces = write_target_pieces(args.out)
     shipped, _, _ = load_checkpoint(args.out)  # measure what we ship: the fp16 weights
     metrics = evaluate(shipped, sp, ckpt, args.beam)
     if (args.checkpoint / "log.jsonl").exists():
@@ -157,7 +163,7 @@ def main(argv=None):
     (args.out / "metrics.json").write_text(json.dumps({"beam": args.beam, "splits": metrics}, indent=2) + "\n")
     commands = reproduction(ckpt, args.checkpoint / "log.jsonl")
     (args.out / "README.md").write_text(model_card(args.out.name, ckpt, model.num_parameters(), metrics,
-                                                   args.beam, commands))
+                                                   args.beam, commands, pieces))
     print(json.dumps(metrics, indent=2))
 
 

@@ -254,6 +254,8 @@ class Engine:
         start = time.monotonic()
         rows = self.batch.rows
         log_probs, top = self.backend.step_top(*self.batch.step_inputs())
+        if self.batch.constrained:  # the options' constraints force and ban pieces by id
+            log_probs = self.backend.vocabulary(log_probs)
         stepped = time.monotonic()
         choice = self.batch.search(log_probs, top)
         searched = time.monotonic()

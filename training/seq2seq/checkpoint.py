@@ -1,4 +1,5 @@
-"""Checkpoint directory = config.json + model.safetensors + spm.model (never pickle)."""
+"""Checkpoint directory = config.json + model.safetensors + spm.model (never pickle), and optionally
+target_pieces.json: the pieces its int8 decoder writes (training.target_pieces)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from .model import Seq2Seq
 
 WEIGHTS = "model.safetensors"
 SPM = "spm.model"
+TARGET_PIECES = "target_pieces.json"
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> None:
@@ -84,3 +86,9 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> dict:
             state.setdefault(int(i), {})[name] = f.get_tensor(key)
     optimizer.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
     return json.loads(meta["extra"])
+
+
+def load_target_pieces(directory: Path) -> list[int] | None:
+    """The checkpoint's target pieces (training.target_pieces), or None: it writes its whole vocabulary."""
+    path = Path(directory) / TARGET_PIECES
+    return json.loads(path.read_text())["pieces"] if path.exists() else None
