@@ -386,7 +386,7 @@ def ceiling(data: dict, ct2_ms: float, floor: float | None, served: float | None
     result = data["medians"]["server_vs_ct2"]
     bound = ct2_ms / (engine + floor)
     needed = ct2_ms - floor  # the engine's CPU per text at which the bound is 1.0
-    margin = (f"{engine / needed:.2f}× faster than this one" if engine > needed else
+    margin = (f"{engine / needed:.2f}× faster than this one" if engine >= needed else
               f"which this one is {needed / engine:.2f}× below")
     return (f"The bound on this machine: {reading} and gRPC's floor {floor:.2f} ms per call (client and service), "
             f"so a server adding nothing else would cost {engine + floor:.2f} core-ms per text against "

@@ -53,7 +53,8 @@ def test_the_report_names_the_gpu_benchmark_until_a_run_is_there_then_renders_it
 def test_the_speed_report_bounds_the_served_ratio_by_the_engine_plus_grpcs_floor():
     """A server costs at least the offline engine's core-ms per text plus gRPC's per-call floor: with 2 cores,
     CTranslate2 at 200 texts/s (10 core-ms), the engine at 250 (8) and a floor of 0.5 + 1.5 ms, the best
-    ratio is 10 / (8 + 2) = 1.00; the server's 0.8 is 80% of it, and 1.0 needs an engine of 8 core-ms."""
+    ratio is 10 / (8 + 2) = 1.00; the server's 0.8 is 80% of it, and 1.0 needs an engine of 8 core-ms (served
+    workers at 7 are below it)."""
     from bench.report import ceiling
 
     data = {"rounds": [{"ct2-int8-2x1": {"texts_per_s": 200.0}, "engine-offline": {"texts_per_s": 250.0}}],
@@ -66,6 +67,7 @@ def test_the_speed_report_bounds_the_served_ratio_by_the_engine_plus_grpcs_floor
     text = ceiling(data, 10.0, 0.5 + 1.5, served=7.0)
     assert "the engine costs 7.00 core-ms per text as the server's workers run it" in text
     assert "a ratio of 1.11 at best" in text and "1.0 needs an engine of at most 8.00 core-ms" in text
+    assert "8.00 core-ms per text, which this one is 1.14× below" in text  # already there
     assert ceiling(data, 10.0, 0.5 + 1.5, served=9.0) == ceiling(data, 10.0, 0.5 + 1.5)  # the offline engine is cheaper
 
 
