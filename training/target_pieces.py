@@ -4,9 +4,8 @@ A translation model's SentencePiece vocabulary is shared by both languages, yet 
 to write the pieces of its targets: a German-English model's 8000 pieces hold 3959 that occur in
 the English side of Multi30K train. Training pushed the others' probabilities down at every step,
 so they never win a beam. The int8 decoder computes its output layer, log-softmax and block maxima
-over these pieces only (export.quantize.trim_output): the vocabulary-wide part of a step, some 30%
-of the decoder's time at 8000 pieces (docs/BENCHMARKS.md, ops), shrinks with it. A model whose
-checkpoint has no target_pieces.json keeps its whole vocabulary in every graph.
+over these pieces only (export.quantize.trim_output; docs/MODEL.md says what that saves). A model
+whose checkpoint has no target_pieces.json keeps its whole vocabulary in every graph.
 
 The file holds the sorted ids of every piece of every training target, plus EOS, filled up with
 the next ids to a whole number of the block maxima's blocks (TOP_K_BLOCK columns), so the graph's
