@@ -174,7 +174,8 @@ def build_systems(checkpoint: Path, gret: Path | None, build: Path, threads: int
 def export(checkpoint: Path, out: Path, fmt: str) -> Path:
     """A repository with fp32 + int8, reused when it was built from the same weights."""
     stamp = out / "weights.sha256"
-    weights = sha256(checkpoint / WEIGHTS) + export_digest(load_checkpoint(checkpoint)[1].model, load_target_pieces(checkpoint))
+    cfg = load_checkpoint(checkpoint)[1].model
+    weights = sha256(checkpoint / WEIGHTS) + export_digest(cfg, load_target_pieces(checkpoint))
     if not (stamp.exists() and stamp.read_text() == weights):
         write_repository(checkpoint, out, fmt=fmt, quantize="int8", overwrite=True)
         stamp.write_text(weights)

@@ -235,8 +235,9 @@ def render(report: dict) -> str:
         ("- *identical to PyTorch*: the share of sentences whose top-1 output is token-identical to "
          "`training.seq2seq.search.beam_search` on the checkpoint (fp32 PyTorch)."),
         ("- ONNX int8: ONNX Runtime dynamic quantization of the MatMul weights (`encoder.int8.onnx`, "
-         "`decoder.int8.onnx`); where the checkpoint has a `target_pieces.json` (training.target_pieces), the "
-         "int8 decoders' output layer has only the pieces its training targets hold. CT2 int8: `--format ct2 --quantize int8` writes a second model folder, "
+         "`decoder.int8.onnx`); where the checkpoint has a `target_pieces.json` (training.target_pieces), "
+         "the int8 decoders' output layer has only the pieces its training targets hold. CT2 int8: "
+         "`--format ct2 --quantize int8` writes a second model folder, "
          "`ct2.int8/`, whose weights CTranslate2's converter stored as int8 (one scale per output row); "
          "CT2 then computes in int8 on CPU. The fp32 folder `ct2/` stays beside it as the reference."),
         (f"- CTranslate2 takes one max length per call, ours is per sentence, so `export.ct2_runtime` splits a "

@@ -1,8 +1,9 @@
 """python -m training.target_pieces CHECKPOINT...: the pieces a model was trained to write.
 
 A translation model's SentencePiece vocabulary is shared by both languages, yet it only ever learnt
-to write the pieces of its targets: a German-English model's 8000 pieces hold 3959 that occur in
-the English side of Multi30K train. Training pushed the others' probabilities down at every step,
+to write the pieces of its targets: of a German-English model's 8000 pieces, 3968 (EOS and the
+block's fill included; this command prints the count) are those of the English side of Multi30K
+train. Training pushed the others' probabilities down at every step,
 so they never win a beam. The int8 decoder computes its output layer, log-softmax and block maxima
 over these pieces only (export.quantize.trim_output; docs/MODEL.md says what that saves). A model
 whose checkpoint has no target_pieces.json keeps its whole vocabulary in every graph.
